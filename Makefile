@@ -1,0 +1,54 @@
+# parallel_lab: `make lab` opens the lab, `make test` runs everything CI runs.
+# Both set up .venv first (once). Override TORCH_SPEC / TORCH_INDEX for another torch build.
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PIP         := $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: setup lab test test-fast notebooks exercises browser bench lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	# torch first, pinned: a bare `torch` would let pip pick a multi-GB build it must download
+	$(PIP) "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) -e ".[lab,test]"
+	touch $@
+
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/00_tour.ipynb
+
+# Headless Chromium for the browser smoke test (Debian/Ubuntu package; playwright drives it).
+browser:
+	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
+
+lint: setup
+	$(VENV)/bin/ruff check parallel_lab tests tools benchmarks
+	$(VENV)/bin/ruff format --check parallel_lab tests tools benchmarks
+
+# The whole suite: lint, unit and multi-rank tests, exercises, browser, and every lesson and
+# solution notebook executed headless by nbval (in this environment's kernel).
+test: setup browser lint
+	$(PY) -m pytest tests notebooks solutions --nbval-lax --current-env --nbval-cell-timeout=300 -q
+
+test-fast: setup
+	$(PY) -m pytest tests -q -m "not slow and not browser"
+
+# Re-execute lessons and solutions in place so they are stored with fresh outputs.
+notebooks: setup
+	for nb in notebooks/*.ipynb solutions/*.ipynb; do \
+	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; done
+
+exercises: setup
+	$(PY) tools/make_exercises.py
+
+bench: setup
+	$(PY) benchmarks/launch.py
+	$(PY) benchmarks/collectives.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

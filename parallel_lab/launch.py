@@ -1,0 +1,457 @@
+"""launch(): run one function on N real processes from a notebook cell or a script.
+
+The parent hosts the rendezvous store on a free port it holds itself (so two
+notebooks launching at once never collide), forks the ranks (fast, and forked
+children see functions defined in `__main__`, i.e. in notebook cells), streams
+their events back over one queue for live plots, and turns every way a run can go
+wrong into one clear exception in the parent.
+
+Invariant: when `launch` returns or raises, no rank process is left alive.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import mesh
+from .result import RunResult
+from .trace import Recorder
+
+#: A launch asks for at most this many ranks: beyond it a laptop thrashes, and
+#: every lesson is written for 1..8.
+MAX_WORLD_SIZE = 64
+START_METHODS = ("auto", "fork", "spawn")
+
+
+class RankError(RuntimeError):
+    """A rank raised: carries the rank and its formatted traceback."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, tb: str):
+        self.rank, self.exc_type, self.remote_traceback = rank, exc_type, tb
+        super().__init__(
+            f"rank {rank} raised {exc_type}: {message}\n\n--- traceback from rank {rank} ---\n{tb}"
+        )
+
+
+class LaunchTimeout(TimeoutError):
+    """The run did not finish in time: names the stuck ranks and their last collective."""
+
+    def __init__(self, timeout: float, stuck: dict[int, str | None]):
+        self.stuck = stuck
+        parts = [f"rank {r} (last collective entered: {op or 'none'})" for r, op in sorted(stuck.items())]
+        super().__init__(
+            f"run did not finish within timeout={timeout:g} s; stuck: "
+            + ", ".join(parts)
+            + ". A mismatched collective (ranks calling different ops or sizes) is the usual cause."
+        )
+
+
+@dataclass
+class Context:
+    """What every rank's function receives as its first argument."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    recorder: Recorder
+    seed: int = 0
+    group: Any = None  # None means the default (world) group
+    memory: Any = None  # memory.MemoryTracker when launched with track_memory=True
+    check_shapes: bool = True  # comms verify shapes agree across ranks before a collective
+    mesh: Any = None  # ParallelDims / device mesh for lessons that build one
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Print from rank 0 only."""
+        if self.rank == 0:
+            print(*args, **kwargs, flush=True)
+
+    def span(self, name: str, kind: str = "compute", **args: Any):
+        """Time a region on this rank's timeline (context manager)."""
+        return self.recorder.span(name, kind, **args)
+
+
+# ---------------------------------------------------------------------------- validation
+def _check_args(fn, world_size, timeout, backend, start_method, threads) -> None:
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (a function taking ctx first), got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if backend not in mesh.BACKENDS:
+        raise ValueError(f"backend must be one of {mesh.BACKENDS}, got {backend!r}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
+
+
+# ---------------------------------------------------------------------------- the rank side
+class _QueueWriter:
+    """stdout/stderr of a rank, forwarded to the parent so prints land in the notebook cell."""
+
+    def __init__(self, q, stream: str, rank: int):
+        self.q, self.stream, self.rank = q, stream, rank
+
+    def write(self, s: str) -> int:
+        if s:
+            self.q.put(("text", {"rank": self.rank, "stream": self.stream, "text": s}))
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _to_cpu(x: Any) -> Any:
+    """Results travel to the parent; CUDA tensors must not (they would init CUDA there)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        return type(x)(_to_cpu(v) for v in x)
+    if isinstance(x, dict) and type(x) is dict:
+        return {k: _to_cpu(v) for k, v in x.items()}
+    return x
+
+
+def _user_traceback(e: BaseException) -> str:
+    """The rank's traceback without the launcher's own frames: the learner's code is the story."""
+    te = traceback.TracebackException.from_exception(e)
+    here = os.path.abspath(__file__)
+    frames = [f for f in te.stack if os.path.abspath(f.filename) != here]
+    te.stack = traceback.StackSummary.from_list(frames)
+    return "".join(te.format())
+
+
+def _die_with_parent() -> None:
+    """Linux: ask the kernel to kill this rank if the parent (the notebook kernel) dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+
+
+def _make_context(rank, world_size, local_rank, backend, t0, seed, sink, check_shapes, track_memory):
+    device = mesh.device_for(backend, local_rank)
+    rec = Recorder(rank=rank, t0=t0, sink=sink)
+    ctx = Context(rank, world_size, local_rank, device, backend, rec, seed=seed, check_shapes=check_shapes)
+    if track_memory:
+        from .memory import MemoryTracker
+
+        ctx.memory = rec.memory = MemoryTracker(device)
+    torch.manual_seed(seed)  # replicated weights share a seed; data should use seed + rank
+    return ctx
+
+
+def _run_fn(ctx: Context, fn, args, kwargs):
+    if ctx.memory is None:
+        return fn(ctx, *args, **kwargs)
+    ctx.memory.start()
+    try:
+        ctx.recorder.sample_memory("start")
+        out = fn(ctx, *args, **kwargs)
+        ctx.recorder.sample_memory("end")
+        return out
+    finally:
+        ctx.memory.stop()
+
+
+def _worker(
+    rank, world_size, port, backend, t0, seed, threads, timeout, check_shapes, track_memory, q, payload
+):
+    _die_with_parent()
+    sys.stdout = _QueueWriter(q, "stdout", rank)
+    sys.stderr = _QueueWriter(q, "stderr", rank)
+    try:
+        if isinstance(payload, bytes):  # spawn: the function came by value
+            import cloudpickle
+
+            payload = cloudpickle.loads(payload)
+        fn, args, kwargs = payload
+        torch.set_num_threads(threads)
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
+        )
+        # The process group waits a little longer than the parent, so the parent's
+        # diagnosis (which rank is stuck where) wins over gloo's generic timeout.
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout + 10)
+        )
+        ctx = _make_context(
+            rank, world_size, rank, backend, t0, seed, lambda w, p: q.put((w, p)), check_shapes, track_memory
+        )
+        value = _run_fn(ctx, fn, args, kwargs)
+        q.put(("result", {"rank": rank, "value": _to_cpu(value), "comm": ctx.recorder.comm_totals()}))
+        try:
+            dist.barrier()  # nobody tears down sockets a peer still reads from
+            dist.destroy_process_group()
+        except Exception:
+            pass
+        code = 0
+    except BaseException as e:  # noqa: BLE001 - everything must reach the parent
+        tb = _user_traceback(e)
+        try:
+            q.put(("error", {"rank": rank, "type": type(e).__name__, "message": str(e), "traceback": tb}))
+        except Exception:
+            pass
+        code = 1
+    q.close()
+    q.join_thread()
+    os._exit(code)  # skip the parent's atexit handlers (a forked notebook kernel has many)
+
+
+# ---------------------------------------------------------------------------- the parent side
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "auto",
+    timeout: float = 120.0,
+    live: bool = False,
+    track_memory: bool = False,
+    seed: int = 0,
+    threads: int | None = None,
+    start_method: str = "auto",
+    check_shapes: bool = True,
+    **kwargs: Any,
+) -> RunResult:
+    """Run `fn(ctx, *args, **kwargs)` on `world_size` ranks and return a `RunResult`.
+
+    backend "auto" picks NCCL with one GPU per rank where enough GPUs exist, else
+    gloo on CPU. `live=True` draws the timeline (and memory, with
+    `track_memory=True`) while the run goes, in a notebook.
+    """
+    import multiprocessing as mp
+
+    _check_args(fn, world_size, timeout, backend, start_method, threads)
+    backend = mesh.resolve_backend(backend, world_size)
+    if start_method == "auto":
+        # fork is unsafe once CUDA is initialised here, and unavailable off Linux
+        start_method = "fork" if sys.platform.startswith("linux") and not mesh.cuda_initialized() else "spawn"
+    threads = threads or max(1, mesh.cpu_cores() // world_size)
+    mpctx = mp.get_context(start_method)
+    payload: Any = (fn, args, kwargs)
+    if start_method == "spawn":
+        import cloudpickle
+
+        payload = cloudpickle.dumps(payload)
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
+    q = mpctx.Queue()
+    t0 = time.perf_counter()
+    procs = [
+        mpctx.Process(
+            target=_worker,
+            args=(
+                r,
+                world_size,
+                store.port,
+                backend,
+                t0,
+                seed,
+                threads,
+                timeout,
+                check_shapes,
+                track_memory,
+                q,
+                payload,
+            ),
+            daemon=True,
+            name=f"parallel_lab-rank{r}",
+        )
+        for r in range(world_size)
+    ]
+    view = None
+    if live:
+        from .plots import LiveRunView
+
+        view = LiveRunView(world_size, timeline=True, memory=track_memory)
+    timeline: list[dict] = []
+    memory: list[dict] = []
+    values: dict[int, Any] = {}
+    comm: dict[int, dict] = {}
+    last_op: dict[int, str | None] = dict.fromkeys(range(world_size))
+    try:
+        for p in procs:
+            p.start()
+        deadline = t0 + timeout
+        dead_since: dict[int, float] = {}
+        while len(values) < world_size:
+            try:
+                what, msg = q.get(timeout=0.05)
+            except queue.Empty:
+                what, msg = None, None
+            if what == "event":
+                timeline.append(msg)
+            elif what == "memory":
+                memory.append(msg)
+            elif what == "enter":
+                last_op[msg["rank"]] = msg["op"]
+            elif what == "text":
+                out = sys.stdout if msg["stream"] == "stdout" else sys.stderr
+                out.write(msg["text"])
+            elif what == "result":
+                values[msg["rank"]] = msg["value"]
+                comm[msg["rank"]] = msg["comm"]
+            elif what == "error":
+                raise _root_cause(msg, q, procs)
+            if what is None:
+                now = time.perf_counter()
+                for r, p in enumerate(procs):
+                    if r in values or p.is_alive():
+                        continue
+                    # A rank that exited without a word: give its last messages 1 s to arrive.
+                    if now - dead_since.setdefault(r, now) > 1.0 or p.exitcode not in (0, 1):
+                        raise RankError(
+                            r,
+                            "ProcessDied",
+                            f"exited with code {p.exitcode} without returning",
+                            "(no Python traceback: the process was killed or crashed)",
+                        )
+                if now > deadline:
+                    raise LaunchTimeout(
+                        timeout, {r: last_op[r] for r in range(world_size) if r not in values}
+                    )
+            if view is not None:
+                view.update(timeline, memory)
+    finally:
+        _reap(procs, graceful=len(values) == world_size)
+        if view is not None:
+            view.finish(timeline, memory)
+        q.close()
+        q.cancel_join_thread()
+        del store
+    timeline.sort(key=lambda e: (e["start"], e["rank"]))
+    memory.sort(key=lambda s: (s["t"], s["rank"]))
+    return RunResult(
+        values=[values[r] for r in range(world_size)],
+        timeline=timeline,
+        memory=memory,
+        comm_bytes=[comm[r] for r in range(world_size)],
+        wall_time=time.perf_counter() - t0,
+        world_size=world_size,
+        backend=backend,
+    )
+
+
+_SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
+
+
+def _root_cause(first: dict, q, procs) -> RankError:
+    """When one rank fails its peers soon fail too ("connection reset"): blame the rank that
+    failed first for a real reason, preferring one that died outright or raised a non-network error."""
+    errors = [first]
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:
+        try:
+            what, msg = q.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if what == "error":
+            errors.append(msg)
+    reported = {e["rank"] for e in errors}
+    for r, p in enumerate(procs):
+        if r not in reported and not p.is_alive() and p.exitcode not in (0, 1, None):
+            return RankError(r, "ProcessDied", f"exited with code {p.exitcode} without returning",
+                             "(no Python traceback: the process was killed or crashed)")  # fmt: skip
+    real = [e for e in errors if not any(s in e["message"] for s in _SECONDARY)]
+    e = (real or errors)[0]
+    return RankError(e["rank"], e["type"], e["message"], e["traceback"])
+
+
+def _reap(procs, graceful: bool) -> None:
+    """After success give ranks a moment to exit cleanly; then (or at once on failure) kill the rest."""
+    end = time.perf_counter() + (2.0 if graceful else 0.0)
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(timeout=max(0.0, end - time.perf_counter()))
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.kill()
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=5.0)
+
+
+# ---------------------------------------------------------------------------- scripts
+def run_from_env(
+    fn: Callable[..., Any],
+    *args: Any,
+    trace_path: str | None = None,
+    backend: str = "auto",
+    track_memory: bool = False,
+    seed: int = 0,
+    check_shapes: bool = True,
+    **kwargs: Any,
+) -> RunResult | None:
+    """The script-side twin of `launch`, for `torchrun` and `accelerate launch`.
+
+    Reads RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT) from the
+    environment, runs `fn(ctx, ...)`, gathers every rank's events to rank 0, which
+    writes `trace_path` (loadable with `RunResult.load`) and returns the result.
+    Other ranks return None.
+    """
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise RuntimeError(
+                f"environment variable {var} is not set: start this script with torchrun or accelerate launch"
+            )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if backend == "auto":
+        backend = "nccl" if mesh.gpu_count() >= local_world and mesh.default_backend() == "nccl" else "gloo"
+    torch.set_num_threads(max(1, mesh.cpu_cores() // local_world))
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    # Align clocks: every rank leaves the barrier at (nearly) the same moment.
+    dist.barrier()
+    t0 = time.perf_counter()
+    ctx = _make_context(rank, world_size, local_rank, backend, t0, seed, None, check_shapes, track_memory)
+    start = time.perf_counter()
+    value = _run_fn(ctx, fn, args, kwargs)
+    wall = time.perf_counter() - start
+    rec = ctx.recorder
+    gathered: list[Any] = [None] * world_size
+    dist.gather_object(
+        (_to_cpu(value), rec.events, rec.samples, rec.comm_totals()), gathered if rank == 0 else None, dst=0
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    result = RunResult(
+        values=[g[0] for g in gathered],
+        timeline=sorted((e for g in gathered for e in g[1]), key=lambda e: (e["start"], e["rank"])),
+        memory=sorted((s for g in gathered for s in g[2]), key=lambda s: (s["t"], s["rank"])),
+        comm_bytes=[g[3] for g in gathered],
+        wall_time=wall,
+        world_size=world_size,
+        backend=backend,
+    )
+    if trace_path:
+        result.save_chrome_trace(trace_path)
+    return result

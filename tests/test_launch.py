@@ -1,0 +1,232 @@
+"""The launcher: results, streaming, failure modes, bad input, no leftover processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import parallel_lab as pl
+from parallel_lab.launch import MAX_WORLD_SIZE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def children() -> list[psutil.Process]:
+    """Live child processes, except multiprocessing's one shared resource tracker (spawn starts it once)."""
+    out = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline()):
+                out.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    yield
+    left = children()
+    assert not left, f"launch left processes behind: {[c.pid for c in left]}"
+
+
+def _sum_ranks(ctx, scale):
+    t = torch.full((3,), float(ctx.rank))
+    with ctx.span("all_reduce", "comm"):
+        dist.all_reduce(t)
+    ctx.print("rank-0 says hi")
+    return {"rank": ctx.rank, "sum": t[0].item() * scale, "threads": torch.get_num_threads()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_values_timeline_and_prints(world_size, capsys):
+    res = pl.launch(_sum_ranks, world_size, 2.0)
+    assert [v["rank"] for v in res.values] == list(range(world_size))
+    expect = 2.0 * sum(range(world_size))
+    assert all(v["sum"] == expect for v in res.values)
+    spans = res.spans(kind="comm")
+    assert sorted(e["rank"] for e in spans) == list(range(world_size))
+    assert all(0 <= e["start"] <= e["end"] <= res.wall_time for e in spans)
+    assert capsys.readouterr().out.count("rank-0 says hi") == 1
+    cores = len(os.sched_getaffinity(0))
+    assert all(v["threads"] == max(1, cores // world_size) for v in res.values)
+
+
+def test_kwargs_seed_and_threads():
+    def f(ctx, a, b=0):
+        return (a + b, ctx.seed, torch.get_num_threads(), torch.randn(1).item())
+
+    res = pl.launch(f, 2, 1, b=2, seed=7, threads=1)
+    assert [v[:3] for v in res.values] == [(3, 7, 1), (3, 7, 1)]
+    torch.manual_seed(7)
+    assert res.values[0][3] == res.values[1][3] == torch.randn(1).item()  # replicated init shares the seed
+
+
+def test_spawn_ships_closures_by_value():
+    offset = 10
+    res = pl.launch(lambda ctx: ctx.rank + offset, 2, start_method="spawn", timeout=60)
+    assert res.values == [10, 11]
+
+
+def test_rank_that_raises_names_rank_quickly():
+    def f(ctx):
+        if ctx.rank == 2:
+            raise ValueError("bad shard on purpose")
+        dist.barrier()  # the others wait for rank 2, which never comes
+
+    t = time.perf_counter()
+    with pytest.raises(pl.RankError) as ei:
+        pl.launch(f, 4, timeout=30)
+    assert time.perf_counter() - t <= 2.0
+    e = ei.value
+    assert e.rank == 2 and e.exc_type == "ValueError"
+    assert "rank 2 raised ValueError: bad shard on purpose" in str(e)
+    assert "in f" in e.remote_traceback and "parallel_lab/launch.py" not in e.remote_traceback
+
+
+def test_hang_reports_stuck_ranks_and_last_collective():
+    def f(ctx):
+        if ctx.rank != 0:  # rank 0 never joins: a mismatched collective
+            with ctx.span("all_reduce", "comm"):
+                dist.all_reduce(torch.ones(2))
+        return ctx.rank
+
+    t = time.perf_counter()
+    with pytest.raises(pl.LaunchTimeout) as ei:
+        pl.launch(f, 3, timeout=2.0)
+    assert time.perf_counter() - t <= 2.0 + 5.0
+    assert ei.value.stuck == {1: "all_reduce", 2: "all_reduce"}
+    assert "rank 1 (last collective entered: all_reduce)" in str(ei.value)
+
+
+def test_rank_killed_without_traceback():
+    def f(ctx):
+        if ctx.rank == 1:
+            os._exit(3)
+        dist.barrier()
+
+    with pytest.raises(pl.RankError, match="rank 1 raised ProcessDied: exited with code 3"):
+        pl.launch(f, 2, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"world_size": 0}, ValueError, "world_size must be between 1 and"),
+        ({"world_size": -2}, ValueError, "world_size must be between 1 and"),
+        ({"world_size": MAX_WORLD_SIZE + 1}, ValueError, "world_size must be between 1 and"),
+        ({"world_size": 2.0}, TypeError, "world_size must be an int"),
+        ({"world_size": "2"}, TypeError, "world_size must be an int"),
+        ({"world_size": True}, TypeError, "world_size must be an int"),
+        ({"timeout": 0}, ValueError, "timeout must be a positive number"),
+        ({"timeout": -1.5}, ValueError, "timeout must be a positive number"),
+        ({"backend": "mpi"}, ValueError, "backend must be one of"),
+        ({"start_method": "forkserver"}, ValueError, "start_method must be one of"),
+        ({"threads": 0}, ValueError, "threads must be None or an int >= 1"),
+        ({"fn": "not a function"}, TypeError, "fn must be callable"),
+    ],
+)
+def test_bad_input(kwargs, exc, match):
+    args = {"fn": _sum_ranks, "world_size": 2, **kwargs}
+    fn, ws = args.pop("fn"), args.pop("world_size")
+    with pytest.raises(exc, match=match):
+        pl.launch(fn, ws, 1.0, **args)
+
+
+def test_nccl_without_gpus_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")  # the CPU-only rule cannot be observed here
+    with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank"):
+        pl.launch(_sum_ranks, 2, 1.0, backend="nccl")
+
+
+def test_chrome_trace_round_trip(tmp_path):
+    res = pl.launch(_sum_ranks, 2, 1.0)
+    path = res.save_chrome_trace(str(tmp_path / "run.json"))
+    data = json.load(open(path))
+    xs = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == len(res.timeline) and {e["pid"] for e in xs} == {0, 1}
+    assert all(e["tid"] == 2 for e in xs if e["cat"] == "comm")  # comm lane
+    back = pl.RunResult.load(path)
+    assert back.timeline == res.timeline and back.world_size == 2 and back.values == res.values
+
+
+NOTEBOOK_LIKE = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    import parallel_lab as pl
+
+    def f(ctx):  # defined in __main__, as in a notebook cell
+        t = torch.ones(1) * (ctx.rank + 1)
+        dist.all_reduce(t)
+        return t.item()
+
+    print(pl.launch(f, 3).values)
+    """
+)
+
+
+def test_two_concurrent_launches_from_separate_processes():
+    """Two notebooks (kernels) launching at once must not collide on ports."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", NOTEBOOK_LIKE], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err.decode()
+        assert out.decode().strip() == "[6.0, 6.0, 6.0]"
+
+
+def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
+    )
+
+
+def test_torchrun_script_writes_loadable_trace(tmp_path):
+    trace = str(tmp_path / "tour.json")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    r = _run([torchrun, "--nproc-per-node", "2", "-m", "parallel_lab.scripts.tour", "--trace", trace])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "identical weights on all ranks: True" in r.stdout
+    res = pl.RunResult.load(trace)
+    assert res.world_size == 2 and {e["rank"] for e in res.timeline} == {0, 1}
+    # the same function through launch() gives the same numbers
+    from parallel_lab.scripts.tour import tour_steps
+
+    assert pl.launch(tour_steps, 2).values == res.values
+
+
+def test_accelerate_launch_with_cpu_config(tmp_path):
+    trace = str(tmp_path / "tour.json")
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    cfg = os.path.join(ROOT, "parallel_lab", "configs", "accelerate_cpu.yaml")
+    r = _run(
+        [
+            accelerate,
+            "launch",
+            "--config_file",
+            cfg,
+            "--num_processes",
+            "2",
+            "-m",
+            "parallel_lab.scripts.tour",
+            "--trace",
+            trace,
+        ]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 ranks, 3 steps, identical weights on all ranks: True" in r.stdout
+    assert pl.RunResult.load(trace).world_size == 2

@@ -251,6 +251,8 @@ def launch(
         start_method = "fork" if sys.platform.startswith("linux") and not mesh.cuda_initialized() else "spawn"
     threads = threads or max(1, mesh.cpu_cores() // world_size)
     mpctx = mp.get_context(start_method)
+    if start_method == "fork":
+        _warm_imports()
     payload: Any = (fn, args, kwargs)
     if start_method == "spawn":
         import cloudpickle
@@ -300,43 +302,34 @@ def launch(
         deadline = t0 + timeout
         dead_since: dict[int, float] = {}
         while len(values) < world_size:
-            try:
-                what, msg = q.get(timeout=0.05)
-            except queue.Empty:
-                what, msg = None, None
-            if what == "event":
-                timeline.append(msg)
-            elif what == "memory":
-                memory.append(msg)
-            elif what == "enter":
-                last_op[msg["rank"]] = msg["op"]
-            elif what == "text":
-                out = sys.stdout if msg["stream"] == "stdout" else sys.stderr
-                out.write(msg["text"])
-            elif what == "result":
-                values[msg["rank"]] = msg["value"]
-                comm[msg["rank"]] = msg["comm"]
-            elif what == "error":
-                raise _root_cause(msg, q, procs)
-            if what is None:
-                now = time.perf_counter()
+            batch = _drain(q)
+            for what, msg in batch:
+                if what == "event":
+                    timeline.append(msg)
+                elif what == "memory":
+                    memory.append(msg)
+                elif what == "enter":
+                    last_op[msg["rank"]] = msg["op"]
+                elif what == "text":
+                    (sys.stdout if msg["stream"] == "stdout" else sys.stderr).write(msg["text"])
+                elif what == "result":
+                    values[msg["rank"]] = msg["value"]
+                    comm[msg["rank"]] = msg["comm"]
+                elif what == "error":
+                    raise _root_cause(msg, q, procs)
+            now = time.perf_counter()
+            if not batch:
                 for r, p in enumerate(procs):
                     if r in values or p.is_alive():
                         continue
                     # A rank that exited without a word: give its last messages 1 s to arrive.
                     if now - dead_since.setdefault(r, now) > 1.0 or p.exitcode not in (0, 1):
-                        raise RankError(
-                            r,
-                            "ProcessDied",
-                            f"exited with code {p.exitcode} without returning",
-                            "(no Python traceback: the process was killed or crashed)",
-                        )
-                if now > deadline:
-                    raise LaunchTimeout(
-                        timeout, {r: last_op[r] for r in range(world_size) if r not in values}
-                    )
+                        raise RankError(r, "ProcessDied", f"exited with code {p.exitcode} without returning",
+                                        "(no Python traceback: the process was killed or crashed)")  # fmt: skip
+            if now > deadline:
+                raise LaunchTimeout(timeout, {r: last_op[r] for r in range(world_size) if r not in values})
             if view is not None:
-                view.update(timeline, memory)
+                view.update(timeline, memory)  # rate-limited inside: cheap when it does not draw
     finally:
         _reap(procs, graceful=len(values) == world_size)
         if view is not None:
@@ -355,6 +348,32 @@ def launch(
         world_size=world_size,
         backend=backend,
     )
+
+
+def _warm_imports() -> None:
+    """Import once in the parent what every rank would otherwise import on its own.
+
+    The first optimizer built in a process imports torch._dynamo (optimizer methods
+    are wrapped by torch._disable_dynamo): ~1-3 s, paid by every forked rank at once
+    on a laptop's few cores. Imported here, forked ranks inherit it for free."""
+    import torch._dynamo  # noqa: F401
+
+
+def _drain(q, wait: float = 0.05, limit: int = 10_000) -> list:
+    """Everything waiting on the queue (blocking up to `wait` for the first message).
+
+    Draining in batches matters: a live redraw between every two messages would let a
+    chatty run fall minutes behind."""
+    try:
+        batch = [q.get(timeout=wait)]
+    except queue.Empty:
+        return []
+    while len(batch) < limit:
+        try:
+            batch.append(q.get_nowait())
+        except queue.Empty:
+            break
+    return batch
 
 
 _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")

@@ -90,6 +90,11 @@ class RunResult:
 
         return plot_memory(self, **kw)
 
+    def plot_comm_bytes(self, **kw: Any):
+        from .plots import plot_comm_bytes
+
+        return plot_comm_bytes(self, **kw)
+
     def __repr__(self) -> str:
         return (
             f"RunResult(world_size={self.world_size}, backend={self.backend!r}, wall_time={self.wall_time:.3f}s, "

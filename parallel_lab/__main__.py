@@ -1,0 +1,135 @@
+"""`python -m parallel_lab` (or `parallel-lab`): doctor, lessons, grade, exercises."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def doctor(args: argparse.Namespace) -> int:
+    """What launch() will use here, and whether the notebook tooling is in place."""
+    import torch
+
+    from . import mesh
+
+    gpus = mesh.gpu_names()
+    backend = mesh.default_backend()  # what launch(backend="auto") picks for a world that fits the GPUs
+    backend += (
+        f" (one GPU per rank, up to {len(gpus)} ranks; gloo beyond)" if gpus else " (CPU; no GPU visible)"
+    )
+    rows = [
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("torch", torch.__version__),
+        ("backend", backend),
+        ("cpu cores", str(mesh.cpu_cores())),
+        ("gpus", f"{len(gpus)}" + (": " + ", ".join(gpus) if gpus else "")),
+        ("nccl", "available" if torch.distributed.is_nccl_available() else "not available"),
+        ("gloo", "available" if torch.distributed.is_gloo_available() else "not available"),
+        ("jupyterlab", _version("jupyterlab")),
+        ("ipywidgets", _version("ipywidgets")),
+        ("jupyterlab_widgets", _version("jupyterlab_widgets") + " (renders widgets in JupyterLab)"),
+        ("accelerate", _version("accelerate")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    missing = [k for k, v in rows if v.startswith("not installed")]
+    if missing:
+        print(f"\nmissing: {', '.join(missing)} -> pip install -e '.[lab]'")
+    return 0
+
+
+def _title(path: Path) -> str:
+    """First markdown heading of a notebook."""
+    for cell in json.loads(path.read_text(encoding="utf-8")).get("cells", []):
+        if cell.get("cell_type") == "markdown":
+            for line in "".join(cell.get("source", "")).splitlines():
+                if line.startswith("#"):
+                    return line.lstrip("#").strip()
+    return "(untitled)"
+
+
+def lessons(args: argparse.Namespace) -> int:
+    """Lessons in notebooks/ with their titles and exercise notebooks."""
+    folder = args.root / "notebooks"
+    books = sorted(folder.glob("*.ipynb"))
+    if not books:
+        print(f"no lessons found in {folder}")
+        return 1
+    for book in books:
+        prefix = book.name.split("_", 1)[0]
+        ex = sorted((args.root / "exercises").glob(f"{prefix}_*.ipynb"))
+        extra = f"  [exercises: {', '.join('exercises/' + e.name for e in ex)}]" if ex else ""
+        print(f"notebooks/{book.name:<28} {_title(book)}{extra}")
+    return 0
+
+
+def grade(args: argparse.Namespace) -> int:
+    """Grade each notebook; exit 0 only when every check of every notebook passes."""
+    from .grading import grade as grade_notebook
+
+    ok = True
+    for path in args.paths:
+        try:
+            report = grade_notebook(path, solutions=args.solutions, timeout=args.timeout)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(report.summary() + "\n")
+        ok &= report.passed
+    return 0 if ok else 1
+
+
+def exercises(args: argparse.Namespace) -> int:
+    """Run tools/make_exercises.py of this checkout (teachers' tool; not part of an installed package)."""
+    tool = args.root / "tools" / "make_exercises.py"
+    if not tool.is_file():
+        print(f"error: {tool} not found (this command needs a checkout of the repository)", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("make_exercises", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    defaults = ["--solutions", str(args.root / "solutions"), "--exercises", str(args.root / "exercises")]
+    return module.main(defaults + args.rest)  # argparse keeps the last value: the caller's options win
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel_lab", description=__doc__)
+    parser.add_argument("--root", type=Path, default=REPO, help="repository root (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="torch, backend, cores, GPUs, JupyterLab/widgets/accelerate").set_defaults(
+        run=doctor
+    )
+    sub.add_parser("lessons", help="list the lesson notebooks").set_defaults(run=lessons)
+    g = sub.add_parser("grade", help="grade exercise notebooks against their solutions' checks")
+    g.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="exercise notebook(s)")
+    g.add_argument("--solutions", type=Path, default=None, help="folder with the solution notebooks")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds per cell (default: %(default)s)")
+    g.set_defaults(run=grade)
+    # Its options (--check, --help, ...) belong to tools/make_exercises.py and pass through.
+    sub.add_parser(
+        "exercises", add_help=False, help="regenerate exercises/ from solutions/ (--check: verify only)"
+    ).set_defaults(run=exercises)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "exercises":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""Generate exercises/ from solutions/ (nbgrader's convention, without nbgrader).
+
+In a solution notebook, the body of an exercise sits between two lines
+
+    ### BEGIN SOLUTION
+    ### HINT: one line that helps      (optional, any number; joined)
+    ...the answer...
+    ### END SOLUTION
+
+Each block becomes `raise NotImplementedError("exercise N (fn): hint")` at the
+block's indentation; the signature and docstring around it stay. Every output and
+execution count is cleared (exercises are stored without outputs, so no answer can
+leak through them), cell ids are copied from the solution (the grader matches check
+cells by id), and check cells (tag "check") are marked non-deletable/read-only for
+JupyterLab. The same input always gives a byte-identical file.
+
+    python tools/make_exercises.py            # write exercises/
+    python tools/make_exercises.py --check    # exit 1 naming stale files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
+CHECK_TAG = "check"
+CHECK_HEADER = "# NBVAL_CHECK_OUTPUT"
+REPO = Path(__file__).resolve().parents[1]
+_DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)")
+
+
+class SolutionFormatError(ValueError):
+    """A solution notebook whose markers cannot be turned into an exercise safely."""
+
+
+def ensure_ids(nb: nbformat.NotebookNode) -> None:
+    """Give cells without an id (nbformat < 4.5 files) a deterministic one; the grader does the same."""
+    for i, cell in enumerate(nb.cells):
+        if not cell.get("id"):
+            cell["id"] = f"cell-{i}"
+    nb.nbformat, nb.nbformat_minor = 4, max(5, nb.get("nbformat_minor", 5))
+
+
+def _enclosing_function(lines: list[str], indent: str) -> str | None:
+    """Name of the nearest `def` above the block that the block is indented under."""
+    for line in reversed(lines):
+        m = _DEF.match(line)
+        if m and len(m.group(1)) < len(indent):
+            return m.group(2)
+    return None
+
+
+def strip_solutions(source: str, first_number: int, where: str) -> tuple[str, int]:
+    """Replace every marked block in `source`; returns (new source, number of blocks)."""
+    out: list[str] = []
+    block: list[str] | None = None
+    indent, n = "", 0
+    for lineno, line in enumerate(source.splitlines(keepends=True), 1):
+        text = line.strip()
+        if text == BEGIN:
+            if block is not None:
+                raise SolutionFormatError(f"{where}, line {lineno}: '{BEGIN}' inside another block")
+            block, indent = [], line[: len(line) - len(line.lstrip())]
+        elif text == END:
+            if block is None:
+                raise SolutionFormatError(f"{where}, line {lineno}: '{END}' without '{BEGIN}'")
+            hints = [b.strip()[len(HINT) :].strip() for b in block if b.strip().startswith(HINT)]
+            func = _enclosing_function(out, indent)
+            name = f"exercise {first_number + n}" + (f" ({func})" if func else "")
+            hint = " ".join(h for h in hints if h) or (
+                f"write the body of {func}" if func else "write this code"
+            )
+            newline = "\n" if line.endswith("\n") else ""
+            out.append(
+                f"{indent}raise NotImplementedError({json.dumps(name + ': ' + hint, ensure_ascii=False)}){newline}"
+            )
+            block, n = None, n + 1
+        elif block is not None:
+            block.append(line)
+        else:
+            out.append(line)
+    if block is not None:
+        raise SolutionFormatError(f"{where}: '{BEGIN}' without '{END}'")
+    return "".join(out), n
+
+
+def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
+    """The exercise notebook for one solution notebook (the input is not modified)."""
+    nb = nbformat.from_dict(json.loads(json.dumps(solution)))  # deep copy
+    ensure_ids(nb)
+    nb.metadata.pop("widgets", None)  # saved widget state belongs to outputs we drop
+    number = 1
+    for i, cell in enumerate(nb.cells):
+        where = f"{name}, cell {i} (id {cell.id})"
+        cell.metadata.pop("execution", None)  # timings JupyterLab may record
+        if cell.cell_type != "code":
+            if BEGIN in cell.source or END in cell.source:
+                raise SolutionFormatError(f"{where}: solution markers are only allowed in code cells")
+            continue
+        cell.outputs, cell.execution_count = [], None
+        if CHECK_TAG in cell.metadata.get("tags", []):
+            if not cell.source.startswith(CHECK_HEADER):
+                raise SolutionFormatError(f"{where}: a check cell must start with '{CHECK_HEADER}'")
+            if BEGIN in cell.source:
+                raise SolutionFormatError(f"{where}: a check cell must not contain a solution")
+            cell.metadata["deletable"], cell.metadata["editable"] = False, False
+            continue
+        cell.source, n = strip_solutions(cell.source, number, where)
+        number += n
+        if "BEGIN SOLUTION" in cell.source or "END SOLUTION" in cell.source:
+            raise SolutionFormatError(f"{where}: a solution marker is not on a line of its own")
+    return nb
+
+
+def render(nb: nbformat.NotebookNode) -> str:
+    """Canonical text of a notebook: nbformat's own JSON layout plus a final newline."""
+    return nbformat.writes(nb, version=4) + "\n"
+
+
+def generate(solutions: Path, exercises: Path, check: bool = False) -> list[Path]:
+    """Write (or, with `check`, only compare) every exercise; returns the stale/written paths."""
+    if not solutions.is_dir():
+        raise FileNotFoundError(f"solutions directory not found: {solutions}")
+    changed: list[Path] = []
+    sources = sorted(solutions.glob("*.ipynb"))
+    for src in sources:
+        solution = nbformat.read(src, as_version=4)
+        text = render(make_exercise(solution, name=src.name))
+        dst = exercises / src.name
+        if dst.exists() and dst.read_text(encoding="utf-8") == text:
+            continue
+        changed.append(dst)
+        if not check:
+            exercises.mkdir(parents=True, exist_ok=True)
+            dst.write_text(text, encoding="utf-8", newline="\n")
+    wanted = {s.name for s in sources}
+    orphans = [p for p in sorted(exercises.glob("*.ipynb")) if p.name not in wanted]
+    if check:
+        changed += orphans
+    for p in orphans:
+        print(f"{p}: no solution notebook of that name; delete it", file=sys.stderr)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tools/make_exercises.py",
+        description="Generate exercises/*.ipynb from solutions/*.ipynb by replacing every "
+        f"'{BEGIN}' ... '{END}' block with raise NotImplementedError. "
+        "Use --check to verify exercises/ is up to date without writing.",
+    )
+    parser.add_argument(
+        "--solutions", type=Path, default=REPO / "solutions", help="folder of solution notebooks"
+    )
+    parser.add_argument(
+        "--exercises", type=Path, default=REPO / "exercises", help="folder to write exercises to"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 and name the stale files if exercises/ is out of date",
+    )
+    args = parser.parse_args(argv)
+    try:
+        changed = generate(args.solutions, args.exercises, check=args.check)
+    except (SolutionFormatError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if changed:
+            names = "\n  ".join(str(p) for p in changed)
+            print(f"exercises out of date (run python tools/make_exercises.py):\n  {names}", file=sys.stderr)
+            return 1
+        print(f"exercises up to date ({args.exercises})")
+        return 0
+    for p in changed:
+        print(f"wrote {p}")
+    if not changed:
+        print(f"exercises already up to date ({args.exercises})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,7 +17,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -25,62 +24,14 @@ import torch
 import torch.distributed as dist
 
 from . import mesh
+from .context import Context, LaunchTimeout, RankError, _make_context, _run_fn, _to_cpu
+from .from_env import run_from_env
 from .result import RunResult
-from .trace import Recorder
 
 #: A launch asks for at most this many ranks: beyond it a laptop thrashes, and
 #: every lesson is written for 1..8.
 MAX_WORLD_SIZE = 64
 START_METHODS = ("auto", "fork", "spawn")
-
-
-class RankError(RuntimeError):
-    """A rank raised: carries the rank and its formatted traceback."""
-
-    def __init__(self, rank: int, exc_type: str, message: str, tb: str):
-        self.rank, self.exc_type, self.remote_traceback = rank, exc_type, tb
-        super().__init__(
-            f"rank {rank} raised {exc_type}: {message}\n\n--- traceback from rank {rank} ---\n{tb}"
-        )
-
-
-class LaunchTimeout(TimeoutError):
-    """The run did not finish in time: names the stuck ranks and their last collective."""
-
-    def __init__(self, timeout: float, stuck: dict[int, str | None]):
-        self.stuck = stuck
-        parts = [f"rank {r} (last collective entered: {op or 'none'})" for r, op in sorted(stuck.items())]
-        super().__init__(
-            f"run did not finish within timeout={timeout:g} s; stuck: "
-            + ", ".join(parts)
-            + ". A mismatched collective (ranks calling different ops or sizes) is the usual cause."
-        )
-
-
-@dataclass
-class Context:
-    """What every rank's function receives as its first argument."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-    recorder: Recorder
-    seed: int = 0
-    group: Any = None  # None means the default (world) group
-    memory: Any = None  # memory.MemoryTracker when launched with track_memory=True
-    check_shapes: bool = True  # comms verify shapes agree across ranks before a collective
-    mesh: Any = None  # ParallelDims / device mesh for lessons that build one
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """Print from rank 0 only."""
-        if self.rank == 0:
-            print(*args, **kwargs, flush=True)
-
-    def span(self, name: str, kind: str = "compute", **args: Any):
-        """Time a region on this rank's timeline (context manager)."""
-        return self.recorder.span(name, kind, **args)
 
 
 # ---------------------------------------------------------------------------- validation
@@ -120,17 +71,6 @@ class _QueueWriter:
         return False
 
 
-def _to_cpu(x: Any) -> Any:
-    """Results travel to the parent; CUDA tensors must not (they would init CUDA there)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu()
-    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
-        return type(x)(_to_cpu(v) for v in x)
-    if isinstance(x, dict) and type(x) is dict:
-        return {k: _to_cpu(v) for k, v in x.items()}
-    return x
-
-
 def _user_traceback(e: BaseException) -> str:
     """The rank's traceback without the launcher's own frames: the learner's code is the story."""
     te = traceback.TracebackException.from_exception(e)
@@ -150,31 +90,6 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except Exception:
             pass
-
-
-def _make_context(rank, world_size, local_rank, backend, t0, seed, sink, check_shapes, track_memory):
-    device = mesh.device_for(backend, local_rank)
-    rec = Recorder(rank=rank, t0=t0, sink=sink)
-    ctx = Context(rank, world_size, local_rank, device, backend, rec, seed=seed, check_shapes=check_shapes)
-    if track_memory:
-        from .memory import MemoryTracker
-
-        ctx.memory = rec.memory = MemoryTracker(device)
-    torch.manual_seed(seed)  # replicated weights share a seed; data should use seed + rank
-    return ctx
-
-
-def _run_fn(ctx: Context, fn, args, kwargs):
-    if ctx.memory is None:
-        return fn(ctx, *args, **kwargs)
-    ctx.memory.start()
-    try:
-        ctx.recorder.sample_memory("start")
-        out = fn(ctx, *args, **kwargs)
-        ctx.recorder.sample_memory("end")
-        return out
-    finally:
-        ctx.memory.stop()
 
 
 def _worker(
@@ -416,61 +331,4 @@ def _reap(procs, graceful: bool) -> None:
             p.join(timeout=5.0)
 
 
-# ---------------------------------------------------------------------------- scripts
-def run_from_env(
-    fn: Callable[..., Any],
-    *args: Any,
-    trace_path: str | None = None,
-    backend: str = "auto",
-    track_memory: bool = False,
-    seed: int = 0,
-    check_shapes: bool = True,
-    **kwargs: Any,
-) -> RunResult | None:
-    """The script-side twin of `launch`, for `torchrun` and `accelerate launch`.
-
-    Reads RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT) from the
-    environment, runs `fn(ctx, ...)`, gathers every rank's events to rank 0, which
-    writes `trace_path` (loadable with `RunResult.load`) and returns the result.
-    Other ranks return None.
-    """
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if var not in os.environ:
-            raise RuntimeError(
-                f"environment variable {var} is not set: start this script with torchrun or accelerate launch"
-            )
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if backend == "auto":
-        backend = "nccl" if mesh.gpu_count() >= local_world and mesh.default_backend() == "nccl" else "gloo"
-    torch.set_num_threads(max(1, mesh.cpu_cores() // local_world))
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
-    # Align clocks: every rank leaves the barrier at (nearly) the same moment.
-    dist.barrier()
-    t0 = time.perf_counter()
-    ctx = _make_context(rank, world_size, local_rank, backend, t0, seed, None, check_shapes, track_memory)
-    start = time.perf_counter()
-    value = _run_fn(ctx, fn, args, kwargs)
-    wall = time.perf_counter() - start
-    rec = ctx.recorder
-    gathered: list[Any] = [None] * world_size
-    dist.gather_object(
-        (_to_cpu(value), rec.events, rec.samples, rec.comm_totals()), gathered if rank == 0 else None, dst=0
-    )
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank != 0:
-        return None
-    result = RunResult(
-        values=[g[0] for g in gathered],
-        timeline=sorted((e for g in gathered for e in g[1]), key=lambda e: (e["start"], e["rank"])),
-        memory=sorted((s for g in gathered for s in g[2]), key=lambda s: (s["t"], s["rank"])),
-        comm_bytes=[g[3] for g in gathered],
-        wall_time=wall,
-        world_size=world_size,
-        backend=backend,
-    )
-    if trace_path:
-        result.save_chrome_trace(trace_path)
-    return result
+__all__ = ["Context", "LaunchTimeout", "RankError", "RunResult", "launch", "run_from_env"]

@@ -1,0 +1,609 @@
+"""Collectives from scratch: parity with torch.distributed on real gloo ranks, exact byte counts.
+
+Many checks run inside one launch per world size (a launch costs ~0.2 s, the checks
+themselves milliseconds); each rank returns a list of failure strings and the test
+asserts that every list is empty, so one failing case names itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel_lab import RankError, RunResult, launch
+from parallel_lab import comms as C
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- formulas (no ranks)
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_ring_bytes_even_is_textbook(p):
+    numel, itemsize = 24 * 1000, 4
+    size = numel * itemsize
+    rows = C.ring_bytes_per_rank(numel, p, itemsize, "all_reduce")
+    assert rows == [(2 * (p - 1) * size // p, 2 * (p - 1) * size // p)] * p
+    assert C.ring_bytes_per_rank(numel, p, itemsize, "reduce_scatter")[0] == ((p - 1) * size // p,) * 2
+
+
+def test_ring_bytes_uneven_by_hand():
+    # n = 7, p = 3: chunks 3, 2, 2 (the first n % p chunks get one more)
+    assert C.chunk_sizes(7, 3) == [3, 2, 2]
+    rs = C.ring_bytes_per_rank(7, 3, 1, "reduce_scatter")
+    assert rs == [(7 - 3, 7 - 2), (7 - 2, 7 - 3), (7 - 2, 7 - 2)]  # sent n - c_r, recv n - c_(r-1)
+    ag = C.ring_bytes_per_rank(7, 3, 1, "all_gather")
+    assert ag == [(7 - 2, 7 - 3), (7 - 2, 7 - 2), (7 - 3, 7 - 2)]  # sent n - c_(r+1), recv n - c_r
+    ar = C.ring_bytes_per_rank(7, 3, 2, "all_reduce")
+    assert ar == [(2 * (a + b), 2 * (c + d)) for (a, c), (b, d) in zip(rs, ag)]
+    # every byte sent is received by someone
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        for n, p in [(0, 3), (1, 4), (5, 8), (1001, 6)]:
+            rows = C.ring_bytes_per_rank(n, p, 2, op)
+            assert sum(s for s, _ in rows) == sum(r for _, r in rows)
+
+
+def test_tree_bytes():
+    # p = 8, root 0: rank 0 sends to 1, 2, 4; rank 1 to 3, 5; rank 2 to 6; rank 3 to 7
+    rows = C.tree_bytes_per_rank(10, 8, 4, "broadcast")
+    assert [s for s, _ in rows] == [120, 80, 40, 40, 0, 0, 0, 0]
+    assert [r for _, r in rows] == [0] + [40] * 7
+    assert sum(s for s, _ in rows) == 7 * 40
+    red = C.tree_bytes_per_rank(10, 5, 4, "reduce", root=2)
+    assert red[2] == (0, 3 * 40)  # the root hears from relative ranks 1, 2 and 4
+    assert sum(s for s, _ in red) == sum(r for _, r in red) == 4 * 40
+    assert sorted(s for s, _ in red) == [0, 40, 40, 40, 40]
+
+
+def test_formula_bad_input():
+    with pytest.raises(ValueError, match="op must be"):
+        C.ring_bytes_per_rank(4, 2, 4, "broadcast")
+    with pytest.raises(ValueError, match="world_size"):
+        C.ring_bytes_per_rank(4, 0, 4, "all_reduce")
+    with pytest.raises(ValueError, match="algorithm"):
+        C.alpha_beta_seconds("star", 10, 2, 1e-6, 1e9)
+    # ring wins on big messages, the tree on tiny ones (8 ranks)
+    big, small = 1 << 28, 8
+    assert C.alpha_beta_seconds("ring", big, 8, 1e-5, 1e10) < C.alpha_beta_seconds("tree", big, 8, 1e-5, 1e10)
+    assert C.alpha_beta_seconds("tree", small, 8, 1e-5, 1e10) < C.alpha_beta_seconds(
+        "ring", small, 8, 1e-5, 1e10
+    )
+
+
+# ----------------------------------------------------------------------------- parity on ranks
+def _data(rank: int, numel: int, dtype, integer: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + numel)
+    if integer:  # small integers: every summation order gives the exact same answer, even in bf16
+        return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+    return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _tol(x: torch.Tensor, p: int) -> torch.Tensor:
+    """Two summation orders of p terms differ by at most (p-1) * eps * sum|x_i| (each is within
+    (p-1) * u * sum|x_i| of the exact sum, u = eps / 2). This is the bound stated for bf16 too:
+    like gloo we round to bf16 after every add."""
+    absum = x.abs().double()
+    dist.all_reduce(absum)
+    return (max(p - 1, 1) * torch.finfo(x.dtype).eps * absum + 1e-30).to(torch.float64)
+
+
+def _delta(ctx, before: dict, op: str) -> tuple[int, int]:
+    now = ctx.recorder.comm.get(op, {"sent": 0, "recv": 0})
+    was = before.get(op, {"sent": 0, "recv": 0})
+    return now["sent"] - was["sent"], now["recv"] - was["recv"]
+
+
+def _snap(ctx) -> dict:
+    return {k: dict(v) for k, v in ctx.recorder.comm.items()}
+
+
+def _parity(ctx, numels, dtypes) -> list[str]:
+    """Every from-scratch collective against its torch.distributed twin; returns failures."""
+    p, r = ctx.world_size, ctx.rank
+    bad: list[str] = []
+
+    def same(name, got, want, tol=None):
+        if got.shape != want.shape:
+            bad.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+        elif tol is None and not torch.equal(got, want):
+            bad.append(f"{name}: max diff {(got.double() - want.double()).abs().max().item()}")
+        elif tol is not None and not bool(((got.double() - want.double()).abs() <= tol).all()):
+            bad.append(
+                f"{name}: outside tolerance, max diff {(got.double() - want.double()).abs().max().item()}"
+            )
+
+    def bytes_ok(name, before, op, want):
+        got = _delta(ctx, before, op)
+        if got != tuple(want):
+            bad.append(f"{name}: bytes (sent, recv) {got} != formula {tuple(want)}")
+
+    for dtype in dtypes:
+        b = torch.tensor([], dtype=dtype).element_size()
+        for n in numels:
+            for integer in (True, False):
+                tag = f"p={p} rank={r} n={n} {str(dtype)[6:]} {'int' if integer else 'float'}"
+                x = _data(r, n, dtype, integer)
+                ref = x.clone()
+                dist.all_reduce(ref)
+                tol = None if integer else _tol(x, p)
+                # all-reduce, three ways, plus avg/max
+                for fn in (
+                    C.ring_all_reduce,
+                    C.ring_all_reduce_pipelined,
+                    C.tree_all_reduce,
+                    C.naive_all_reduce,
+                ):
+                    before = _snap(ctx)
+                    y = x.clone()
+                    out = fn(ctx, y)
+                    same(f"{fn.__name__} {tag}", out, ref, tol)
+                    if out.data_ptr() != y.data_ptr():
+                        bad.append(f"{fn.__name__} {tag}: not in place")
+                    if fn in (C.ring_all_reduce, C.ring_all_reduce_pipelined):
+                        bytes_ok(
+                            f"{fn.__name__} {tag}",
+                            before,
+                            "ring_all_reduce",
+                            C.ring_bytes_per_rank(n, p, b, "all_reduce")[r],
+                        )
+                if integer:
+                    mx = x.clone()
+                    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+                    same(f"ring max {tag}", C.ring_all_reduce(ctx, x.clone(), op="max"), mx)
+                    same(f"tree min {tag}", C.tree_all_reduce(ctx, -x, op="min"), -mx)
+                    av = C.ring_all_reduce(ctx, x.clone(), op="avg")
+                    same(f"ring avg {tag}", av, (ref.double() / p).to(dtype))  # exact sum, one rounding
+                # reduce-scatter: divmod chunks, vs dist.reduce_scatter on the same chunks
+                before = _snap(ctx)
+                rs = C.ring_reduce_scatter(ctx, x)
+                want = torch.empty(C.chunk_sizes(n, p)[r], dtype=dtype)
+                dist.reduce_scatter(want, list(x.split(C.chunk_sizes(n, p))))
+                same(
+                    f"ring_reduce_scatter {tag}",
+                    rs,
+                    want,
+                    None if tol is None else tol.split(C.chunk_sizes(n, p))[r],
+                )
+                bytes_ok(
+                    f"ring_reduce_scatter {tag}",
+                    before,
+                    "ring_reduce_scatter",
+                    C.ring_bytes_per_rank(n, p, b, "reduce_scatter")[r],
+                )
+                if not torch.equal(x, _data(r, n, dtype, integer)):
+                    bad.append(f"ring_reduce_scatter {tag}: modified its input")
+                if not integer:
+                    continue
+                # all-gather (nothing is reduced: exact)
+                before = _snap(ctx)
+                ag = C.ring_all_gather(ctx, x)
+                parts = [torch.empty_like(x) for _ in range(p)]
+                dist.all_gather(parts, x)
+                same(f"ring_all_gather {tag}", ag, torch.stack(parts))
+                bytes_ok(
+                    f"ring_all_gather {tag}",
+                    before,
+                    "ring_all_gather",
+                    C.ring_bytes_per_rank(n * p, p, b, "all_gather")[r],
+                )
+                # broadcast / reduce on a root that is not 0
+                root = p - 1
+                before = _snap(ctx)
+                bc = C.tree_broadcast(ctx, x.clone(), src=root)
+                want = x.clone()
+                dist.broadcast(want, src=root)
+                same(f"tree_broadcast {tag}", bc, want)
+                bytes_ok(
+                    f"tree_broadcast {tag}",
+                    before,
+                    "tree_broadcast",
+                    C.tree_bytes_per_rank(n, p, b, "broadcast", root)[r],
+                )
+                before = _snap(ctx)
+                dst = p // 2
+                y = x.clone()
+                red = C.tree_reduce(ctx, y, dst=dst)
+                want = x.clone()
+                dist.reduce(want, dst=dst)
+                if r == dst:
+                    same(f"tree_reduce {tag}", red, want)
+                elif red is not None or not torch.equal(y, x):
+                    bad.append(f"tree_reduce {tag}: non-root must return None and keep its tensor")
+                bytes_ok(
+                    f"tree_reduce {tag}",
+                    before,
+                    "tree_reduce",
+                    C.tree_bytes_per_rank(n, p, b, "reduce", dst)[r],
+                )
+                # all-to-all: piece j of rank r goes to rank j
+                pieces = [x + 100 * j for j in range(p)]
+                before = _snap(ctx)
+                got = C.all_to_all(ctx, pieces)
+                want = [torch.empty_like(x) for _ in range(p)]
+                dist.all_to_all(want, pieces)
+                for j in range(p):
+                    same(f"all_to_all piece {j} {tag}", got[j], want[j])
+                nb = (p - 1) * n * b
+                bytes_ok(f"all_to_all {tag}", before, "all_to_all", (nb, nb))
+    return bad
+
+
+def _check(result: RunResult) -> None:
+    failures = [f for per_rank in result.values for f in per_rank]
+    assert not failures, f"{len(failures)} failures, first ones:\n" + "\n".join(failures[:15])
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_parity_all_collectives(p):
+    # 0, 1, fewer than p, uneven, even
+    _check(launch(_parity, p, [0, 1, max(p - 1, 1), 7 * p + 3, 40], DTYPES, timeout=180))
+
+
+def test_parity_eight_ranks():
+    _check(launch(_parity, 8, [0, 5, 8 * 3 + 5], (torch.float32, torch.bfloat16), timeout=180))
+
+
+def test_parity_five_ranks_fp32_fp16():
+    _check(launch(_parity, 5, [3, 21], (torch.float32, torch.float16), timeout=120))
+
+
+def _big(ctx) -> list[str]:
+    n = 1_000_003  # > 1M, and n % 3 = 1: uneven chunks
+    x = _data(ctx.rank, n, torch.float32, False)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    tol = _tol(x, ctx.world_size)
+    bad = []
+    for fn in (C.ring_all_reduce, C.ring_all_reduce_pipelined):
+        got = fn(ctx, x.clone())
+        diff = (got.double() - ref.double()).abs()
+        if not bool((diff <= tol).all()):
+            bad.append(f"{fn.__name__}: max diff {diff.max().item()}")
+    sent, recv = ctx.recorder.comm["ring_all_reduce"]["sent"], ctx.recorder.comm["ring_all_reduce"]["recv"]
+    want = C.ring_bytes_per_rank(n, ctx.world_size, 4, "all_reduce")[ctx.rank]
+    if (sent, recv) != (2 * want[0], 2 * want[1]):
+        bad.append(f"bytes {(sent, recv)} != 2 x {want}")
+    return bad
+
+
+def test_more_than_a_million_elements():
+    _check(launch(_big, 3, timeout=120))
+
+
+# ----------------------------------------------------------------------------- groups, layouts, wrappers
+def _groups_and_wrappers(ctx) -> list[str]:
+    p, r = ctx.world_size, ctx.rank  # 4
+    bad = []
+    # sub-groups {0, 2} and {1, 3}: every rank must create both, in the same order
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    g = groups[r % 2]
+    x = torch.arange(6, dtype=torch.float32) + r
+    ref = x.clone()
+    dist.all_reduce(ref, group=g)
+    if not torch.equal(C.ring_all_reduce(ctx, x.clone(), group=g), ref):
+        bad.append("ring_all_reduce on a sub-group")
+    ev = [e for e in ctx.recorder.events if e["name"] == "ring_all_reduce"][-1]
+    if ev["args"]["peers"] != [(r + 2) % 4]:  # the other member, as a global rank
+        bad.append(f"peers should be global ranks, got {ev['args']['peers']}")
+    bc = C.tree_broadcast(ctx, x.clone(), src=1, group=g)  # group rank 1 = global 2 or 3
+    if not torch.equal(bc, torch.arange(6, dtype=torch.float32) + (2 + r % 2)):
+        bad.append("tree_broadcast on a sub-group, src is a group rank")
+    # non-contiguous input: reduced in place through the view
+    m = (torch.arange(12, dtype=torch.float64).reshape(3, 4) * (r + 1)).t()  # (4, 3), non-contiguous
+    want = m.contiguous() * sum(range(1, p + 1)) / (r + 1)
+    for fn in (C.ring_all_reduce, C.ring_all_reduce_pipelined, C.tree_all_reduce, C.naive_all_reduce):
+        y = m.clone().t().contiguous().t()
+        if not torch.equal(fn(ctx, y), want) or not torch.equal(y, want):
+            bad.append(f"{fn.__name__} on a non-contiguous tensor")
+    # traced built-ins: same results as torch, nominal bytes booked
+    x = torch.arange(10, dtype=torch.float32) * (r + 1)
+    s = float(sum(range(1, p + 1)))
+    if not torch.equal(C.dist_all_reduce(ctx, x.clone()), torch.arange(10.0) * s):
+        bad.append("dist_all_reduce")
+    h = C.dist_all_reduce(ctx, x.clone(), op="avg", async_op=True)
+    if not torch.allclose(h.wait(), torch.arange(10.0) * s / p):
+        bad.append("dist_all_reduce async avg")
+    sent, recv = C.ring_bytes_per_rank(10, p, 4, "all_reduce")[r]  # nominal: the ring's volume
+    if ctx.recorder.comm["all_reduce"] != {"sent": 2 * sent, "recv": 2 * recv, "calls": 2}:
+        bad.append(f"all_reduce nominal bytes {ctx.recorder.comm['all_reduce']}")
+    if not torch.equal(C.dist_broadcast(ctx, x.clone(), src=2), torch.arange(10.0) * 3):
+        bad.append("dist_broadcast")
+    red = C.dist_reduce(ctx, x.clone(), dst=1)
+    if r == 1 and not torch.equal(red, torch.arange(10.0) * s):
+        bad.append("dist_reduce")
+    ag = C.dist_all_gather(ctx, x)
+    if not torch.equal(ag, torch.stack([torch.arange(10.0) * (k + 1) for k in range(p)])):
+        bad.append("dist_all_gather")
+    ga = C.dist_gather(ctx, x, dst=3)
+    if (r == 3) != (ga is not None) or (ga is not None and not torch.equal(ga, ag)):
+        bad.append("dist_gather")
+    sc = C.dist_scatter(ctx, torch.empty(10), list(ag) if r == 0 else None, src=0)
+    if not torch.equal(sc, x):
+        bad.append("dist_scatter")
+    rs = C.dist_reduce_scatter(ctx, torch.arange(10, dtype=torch.float32))
+    if not torch.equal(rs, (torch.arange(10.0) * p).split(C.chunk_sizes(10, p))[r]):
+        bad.append("dist_reduce_scatter (uneven divmod chunks)")
+    a2a = C.dist_all_to_all(ctx, [x + j for j in range(p)])
+    if not all(torch.equal(a2a[j], torch.arange(10.0) * (j + 1) + r) for j in range(p)):
+        bad.append("dist_all_to_all")
+    C.dist_barrier(ctx)
+    # point to point: a ring of sendrecv, then isend/irecv
+    left, right = (r - 1) % p, (r + 1) % p
+    got = C.sendrecv(ctx, torch.full((3,), float(r)), right, torch.empty(3), left)
+    if not torch.equal(got, torch.full((3,), float(left))):
+        bad.append("sendrecv")
+    hs = C.isend(ctx, torch.full((2,), float(r)), right)
+    hr = C.irecv(ctx, torch.empty(2), left)
+    if not torch.equal(hr.wait(), torch.full((2,), float(left))):
+        bad.append("irecv")
+    hs.wait()
+    if r == 0:
+        C.send(ctx, torch.ones(4), 1)
+    elif r == 1:
+        if not torch.equal(C.recv(ctx, torch.empty(4), 0), torch.ones(4)):
+            bad.append("send/recv")
+    want_p2p = {"sendrecv": (12, 12), "isend": (8, 0), "irecv": (0, 8)}
+    for op, (sn, rc) in want_p2p.items():
+        c = ctx.recorder.comm[op]
+        if (c["sent"], c["recv"]) != (sn, rc):
+            bad.append(f"{op} bytes {c}")
+    # every traced op left a comm span with its bytes
+    for e in ctx.recorder.events:
+        if e["kind"] == "comm" and not {"op", "bytes_sent", "bytes_recv", "numel", "dtype", "peers"} <= set(
+            e["args"]
+        ):
+            bad.append(f"span {e['name']} lacks args: {sorted(e['args'])}")
+    return bad
+
+
+def test_groups_layouts_wrappers_p2p():
+    _check(launch(_groups_and_wrappers, 4, timeout=120))
+
+
+def _steps(ctx):
+    C.ring_all_reduce(ctx, torch.ones(16), trace_steps=True)
+    C.tree_broadcast(ctx, torch.ones(16), trace_steps=True)
+    return None
+
+
+def test_trace_steps_and_span():
+    res = launch(_steps, 4)
+    ring = res.spans(name="ring_all_reduce", rank=2)
+    assert len(ring) == 1 and ring[0]["args"]["steps"] == 6  # 2(p-1)
+    assert ring[0]["args"]["bytes_sent"] == 2 * 3 * 16  # 2(p-1)/p * 64 B
+    assert ring[0]["args"]["peers"] == [1, 3]
+    steps = [e for e in res.spans(rank=2, kind="comm") if e["args"].get("parent") == "ring_all_reduce"]
+    assert [e["name"] for e in steps] == ["ring_all_reduce:reduce-scatter"] * 3 + [
+        "ring_all_reduce:all-gather"
+    ] * 3
+    assert len(steps) == 6 and all(
+        ring[0]["start"] <= e["start"] <= e["end"] <= ring[0]["end"] for e in steps
+    )
+    assert res.spans(name="tree_broadcast", rank=0)[0]["args"]["steps"] == 2  # log2(4) sends from the root
+    assert len(res.spans(name="ring_all_reduce:add", rank=2, kind="compute")) == 3  # one add per reduce step
+    assert res.comm_bytes[0]["by_op"]["ring_all_reduce"]["sent"] == 96
+    assert set(res.comm_bytes[0]["by_op"]) == {
+        "ring_all_reduce",
+        "tree_broadcast",
+    }  # steps are drawn, not double counted
+
+
+# ----------------------------------------------------------------------------- errors
+def _mismatch(ctx, fn_name, what):
+    n = 8 + (1 if (what == "numel" and ctx.rank == 1) else 0)
+    dtype = torch.float64 if (what == "dtype" and ctx.rank == 1) else torch.float32
+    x = torch.ones(n, dtype=dtype)
+    getattr(C, fn_name)(ctx, x)
+
+
+@pytest.mark.parametrize(
+    "fn_name,what",
+    [("ring_all_reduce", "numel"), ("ring_all_gather", "dtype"), ("dist_all_reduce", "numel")],
+)
+def test_mismatched_shapes_are_a_clear_error(fn_name, what):
+    with pytest.raises(RankError) as info:
+        launch(_mismatch, 3, fn_name, what, timeout=30)
+    msg = str(info.value)
+    assert info.value.exc_type == "ValueError"
+    assert "differ across ranks" in msg and "rank 1: " in msg
+    assert ("(9,)" in msg) if what == "numel" else ("float64" in msg)
+
+
+def _bad_dtype(ctx, fn_name):
+    getattr(C, fn_name)(ctx, torch.arange(4))  # int64
+
+
+@pytest.mark.parametrize(
+    "fn_name", ["ring_all_reduce", "ring_reduce_scatter", "tree_reduce", "naive_all_reduce"]
+)
+def test_unsupported_dtype_is_a_type_error(fn_name):
+    with pytest.raises(RankError) as info:
+        launch(_bad_dtype, 2, fn_name, timeout=30)
+    assert info.value.exc_type == "TypeError"
+    assert "tensor has dtype torch.int64" in str(info.value) and "float32, float64, bfloat16" in str(
+        info.value
+    )
+
+
+def _bad_args(ctx) -> list[str]:
+    bad = []
+    for call, kind, text in [
+        (lambda: C.ring_all_reduce(ctx, torch.ones(3), op="prod"), ValueError, "op must be one of"),
+        (lambda: C.tree_broadcast(ctx, torch.ones(3), src=2), ValueError, "src must be a rank"),
+        (lambda: C.tree_reduce(ctx, torch.ones(3), dst=-1), ValueError, "dst must be a rank"),
+        (lambda: C.all_to_all(ctx, [torch.ones(2)]), ValueError, "one tensor per rank"),
+        (lambda: C.all_to_all(ctx, [torch.ones(2), torch.ones(3)]), ValueError, "same shape"),
+        (lambda: C.all_to_all(ctx, torch.ones(2)), TypeError, "list of torch.Tensor"),
+        (lambda: C.ring_all_gather(ctx, [1, 2]), TypeError, "tensor must be a torch.Tensor"),
+        (
+            lambda: C.ring_all_reduce_pipelined(ctx, torch.ones(3), segment_bytes=0),
+            ValueError,
+            "segment_bytes",
+        ),
+        (lambda: C.send(ctx, torch.ones(1), dst=5), ValueError, "dst must be a rank"),
+    ]:
+        try:
+            call()
+            bad.append(f"no error for: {text}")
+        except kind as e:
+            if text not in str(e):
+                bad.append(f"message {e!s} lacks {text!r}")
+    return bad
+
+
+def test_bad_arguments():
+    _check(launch(_bad_args, 2, timeout=30))
+
+
+def _unchecked(ctx):
+    x = torch.arange(5.0) * ctx.rank
+    return C.ring_all_reduce(ctx, x.clone()), C.ring_all_gather(ctx, x)
+
+
+def test_check_shapes_off_still_correct():
+    res = launch(_unchecked, 3, check_shapes=False)
+    for out, ag in res.values:
+        assert torch.equal(out, torch.arange(5.0) * 3)
+        assert torch.equal(ag, torch.stack([torch.arange(5.0) * k for k in range(3)]))
+
+
+# ----------------------------------------------------------------------------- the script (torchrun)
+def test_script_under_torchrun(tmp_path):
+    """SLOW-ish (~10 s): two spawned processes each import torch."""
+    trace = tmp_path / "collectives.json"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        str(torchrun),
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "parallel_lab.scripts.collectives",
+        "--trace",
+        str(trace),
+    ]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all collectives match torch.distributed" in out.stdout
+    res = RunResult.load(str(trace))
+    assert res.world_size == 2 and res.backend == "gloo"
+    assert {e["name"] for e in res.timeline} >= {"ring_all_reduce", "tree_broadcast", "all_to_all"}
+    assert res.comm_bytes[1]["by_op"]["ring_all_reduce"]["sent"] > 0
+
+
+# ----------------------------------------------------------------------------- exercise checks
+def _learner_ring_all_reduce(ctx, tensor, group=None):
+    """What a learner writes: ring reduce-scatter then ring all-gather from sendrecv."""
+    p, r = ctx.world_size, ctx.rank
+    chunks = list(tensor.view(-1).split(C.chunk_sizes(tensor.numel(), p)))
+    right, left = (r + 1) % p, (r - 1) % p
+    for s in range(p - 1):
+        k = (r - s - 2) % p
+        buf = torch.empty_like(chunks[k])
+        C.sendrecv(ctx, chunks[(r - s - 1) % p], right, buf, left)
+        chunks[k] += buf
+    for s in range(p - 1):
+        C.sendrecv(ctx, chunks[(r - s) % p], right, chunks[(r - s - 1) % p], left)
+    return tensor
+
+
+def _learner_all_gather_raw(ctx, tensor, group=None):
+    """Raw torch.distributed point-to-point is fine too."""
+    p, r = ctx.world_size, ctx.rank
+    out = torch.empty((p, *tensor.shape), dtype=tensor.dtype)
+    out[r] = tensor
+    for s in range(p - 1):
+        send = dist.isend(out[(r - s) % p].contiguous(), (r + 1) % p) if tensor.numel() else None
+        if tensor.numel():
+            dist.recv(out[(r - s - 1) % p], (r - 1) % p)
+            send.wait()
+    return out
+
+
+def _learner_all_to_all(ctx, tensors, group=None):
+    p, r = ctx.world_size, ctx.rank
+    out = [torch.empty_like(t) for t in tensors]
+    out[r].copy_(tensors[r])
+    for s in range(1, p):
+        C.sendrecv(ctx, tensors[(r + s) % p], (r + s) % p, out[(r - s) % p], (r - s) % p)
+    return out
+
+
+def test_checks_pass_a_right_answer(capsys):
+    from parallel_lab.checks import collectives as K
+
+    K.check_ring_all_reduce(_learner_ring_all_reduce)
+    K.check_ring_all_gather(_learner_all_gather_raw)
+    K.check_all_to_all(_learner_all_to_all)
+    # the lab's own from-scratch versions pass too (the tour grades ring_all_reduce)
+    K.check_ring_all_reduce(C.ring_all_reduce)
+    K.check_ring_all_gather(C.ring_all_gather)
+    K.check_all_to_all(C.all_to_all)
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        lines
+        == [
+            "check_ring_all_reduce passed: all 24 cases",
+            "check_ring_all_gather passed: all 24 cases",
+            "check_all_to_all passed: all 24 cases",
+        ]
+        * 2
+    )
+
+
+def _off_by_rank(ctx, tensor, group=None):
+    out = _learner_ring_all_reduce(ctx, tensor)
+    return out + (1 if ctx.rank == 2 else 0)
+
+
+def _uses_builtin(ctx, tensor, group=None):
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def _uses_traced_builtin(ctx, tensor, group=None):
+    return C.dist_all_reduce(ctx, tensor)
+
+
+def _todo(ctx, tensor, group=None):
+    raise NotImplementedError("write the ring")
+
+
+def _crashes(ctx, tensor, group=None):
+    return tensor.view(ctx.world_size, -1)
+
+
+def test_checks_reject_wrong_answers():
+    from parallel_lab.checks import collectives as K
+
+    with pytest.raises(AssertionError, match=r"world_size=3, numel=1, dtype=float32, rank 2: max abs diff 1"):
+        K.check_ring_all_reduce(_off_by_rank)
+    with pytest.raises(AssertionError, match=r"called torch.distributed.all_reduce"):
+        K.check_ring_all_reduce(_uses_builtin)
+    with pytest.raises(AssertionError, match=r"called torch.distributed.all_reduce"):
+        K.check_ring_all_reduce(_uses_traced_builtin)
+    with pytest.raises(NotImplementedError):
+        K.check_ring_all_reduce(_todo)
+    with pytest.raises(AssertionError, match=r"raised RuntimeError"):
+        K.check_ring_all_reduce(_crashes)
+    with pytest.raises(AssertionError, match=r"expected 0 elements|expected a tensor|elements"):
+        K.check_ring_all_gather(lambda ctx, t, group=None: t)
+    with pytest.raises(TypeError, match="must be a function"):
+        K.check_all_to_all(42)
+
+
+def _peak_after_tree(ctx):
+    C.tree_all_reduce(ctx, torch.ones(10_000))  # the root keeps one receive buffer of 40 kB
+    return ctx.memory.peak()
+
+
+def test_receive_buffers_count_as_comm_memory():
+    peaks = launch(_peak_after_tree, 2, track_memory=True).values
+    assert peaks[0]["comm"] >= 40_000  # rank 0 is the root: it receives into a buffer
+    assert peaks[1]["comm"] == 0  # rank 1 only sends up and receives in place

@@ -29,13 +29,23 @@ class RankError(RuntimeError):
 class LaunchTimeout(TimeoutError):
     """The run did not finish in time: names the stuck ranks and their last collective."""
 
-    def __init__(self, timeout: float, stuck: dict[int, str | None]):
-        self.stuck = stuck
-        parts = [f"rank {r} (last collective entered: {op or 'none'})" for r, op in sorted(stuck.items())]
+    def __init__(
+        self, timeout: float, stuck: dict[int, str | None], starting: set[int] | frozenset = frozenset()
+    ):
+        self.stuck, self.starting = stuck, set(starting)
+        parts = [
+            f"rank {r} (still joining the process group)"
+            if r in self.starting
+            else f"rank {r} (last collective entered: {op or 'none'})"
+            for r, op in sorted(stuck.items())
+        ]
+        hint = (
+            " A mismatched collective (ranks calling different ops or sizes) is the usual cause."
+            if len(self.starting) < len(stuck)
+            else " No rank finished joining: the machine may be overloaded; try a larger timeout."
+        )
         super().__init__(
-            f"run did not finish within timeout={timeout:g} s; stuck: "
-            + ", ".join(parts)
-            + ". A mismatched collective (ranks calling different ops or sizes) is the usual cause."
+            f"run did not finish within timeout={timeout:g} s; stuck: " + ", ".join(parts) + "." + hint
         )
 
 

@@ -1,7 +1,9 @@
 """launch(): run one function on N real processes from a notebook cell or a script.
 
-The parent hosts the rendezvous store on a free port it holds itself (so two
-notebooks launching at once never collide), forks the ranks (fast, and forked
+Ranks meet through a FileStore in a fresh temporary folder (no port to pick, so two
+notebooks launching at once never collide, and no store thread running in the
+parent when it forks: a TCPStore served from the parent hung ~3% of forked
+start-ups on a lock copied mid-use). The parent forks the ranks (fast, and forked
 children see functions defined in `__main__`, i.e. in notebook cells), streams
 their events back over one queue for live plots, and turns every way a run can go
 wrong into one clear exception in the parent.
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -93,7 +97,7 @@ def _die_with_parent() -> None:
 
 
 def _worker(
-    rank, world_size, port, backend, t0, seed, threads, timeout, check_shapes, track_memory, q, payload
+    rank, world_size, store_path, backend, t0, seed, threads, timeout, check_shapes, track_memory, q, payload
 ):
     _die_with_parent()
     sys.stdout = _QueueWriter(q, "stdout", rank)
@@ -105,14 +109,13 @@ def _worker(
             payload = cloudpickle.loads(payload)
         fn, args, kwargs = payload
         torch.set_num_threads(threads)
-        store = dist.TCPStore(
-            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
-        )
+        store = dist.FileStore(store_path, world_size)
         # The process group waits a little longer than the parent, so the parent's
         # diagnosis (which rank is stuck where) wins over gloo's generic timeout.
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout + 10)
         )
+        q.put(("ready", {"rank": rank}))
         ctx = _make_context(
             rank, world_size, rank, backend, t0, seed, lambda w, p: q.put((w, p)), check_shapes, track_memory
         )
@@ -174,9 +177,8 @@ def launch(
 
         payload = cloudpickle.dumps(payload)
 
-    store = dist.TCPStore(
-        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
-    )
+    tmpdir = tempfile.mkdtemp(prefix="parallel_lab-")
+    store_path = os.path.join(tmpdir, "store")
     q = mpctx.Queue()
     t0 = time.perf_counter()
     procs = [
@@ -185,7 +187,7 @@ def launch(
             args=(
                 r,
                 world_size,
-                store.port,
+                store_path,
                 backend,
                 t0,
                 seed,
@@ -211,6 +213,7 @@ def launch(
     values: dict[int, Any] = {}
     comm: dict[int, dict] = {}
     last_op: dict[int, str | None] = dict.fromkeys(range(world_size))
+    ready: set[int] = set()  # ranks whose process group is up
     try:
         for p in procs:
             p.start()
@@ -223,6 +226,8 @@ def launch(
                     timeline.append(msg)
                 elif what == "memory":
                     memory.append(msg)
+                elif what == "ready":
+                    ready.add(msg["rank"])
                 elif what == "enter":
                     last_op[msg["rank"]] = msg["op"]
                 elif what == "text":
@@ -242,7 +247,8 @@ def launch(
                         raise RankError(r, "ProcessDied", f"exited with code {p.exitcode} without returning",
                                         "(no Python traceback: the process was killed or crashed)")  # fmt: skip
             if now > deadline:
-                raise LaunchTimeout(timeout, {r: last_op[r] for r in range(world_size) if r not in values})
+                stuck = {r: last_op[r] for r in range(world_size) if r not in values}
+                raise LaunchTimeout(timeout, stuck, starting=set(stuck) - ready)
             if view is not None:
                 view.update(timeline, memory)  # rate-limited inside: cheap when it does not draw
     finally:
@@ -251,7 +257,7 @@ def launch(
             view.finish(timeline, memory)
         q.close()
         q.cancel_join_thread()
-        del store
+        shutil.rmtree(tmpdir, ignore_errors=True)
     timeline.sort(key=lambda e: (e["start"], e["rank"]))
     memory.sort(key=lambda s: (s["t"], s["rank"]))
     return RunResult(

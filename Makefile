@@ -33,7 +33,7 @@ lint: setup
 # The whole suite: lint, unit and multi-rank tests, exercises, browser, and every lesson and
 # solution notebook executed headless by nbval (in this environment's kernel).
 test: setup browser lint
-	$(PY) -m pytest tests notebooks solutions --nbval-lax --current-env --nbval-cell-timeout=300 -q
+	$(PY) -m pytest tests notebooks solutions --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -q
 
 test-fast: setup
 	$(PY) -m pytest tests -q -m "not slow and not browser"

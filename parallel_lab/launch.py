@@ -14,6 +14,7 @@ Invariant: when `launch` returns or raises, no rank process is left alive.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import shutil
 import sys
@@ -120,7 +121,10 @@ def _worker(
             rank, world_size, rank, backend, t0, seed, lambda w, p: q.put((w, p)), check_shapes, track_memory
         )
         value = _run_fn(ctx, fn, args, kwargs)
-        q.put(("result", {"rank": rank, "value": _to_cpu(value), "comm": ctx.recorder.comm_totals()}))
+        # Pickled here, by value: through the queue torch would share tensors by file
+        # descriptor, which dies with this process if it exits before the parent reads.
+        blob = pickle.dumps(_to_cpu(value), protocol=pickle.HIGHEST_PROTOCOL)
+        q.put(("result", {"rank": rank, "value": blob, "comm": ctx.recorder.comm_totals()}))
         try:
             dist.barrier()  # nobody tears down sockets a peer still reads from
             dist.destroy_process_group()
@@ -158,16 +162,27 @@ def launch(
 
     backend "auto" picks NCCL with one GPU per rank where enough GPUs exist, else
     gloo on CPU. `live=True` draws the timeline (and memory, with
-    `track_memory=True`) while the run goes, in a notebook.
+    `track_memory=True`) while the run goes, in a notebook. `threads`: torch threads
+    per rank; forked ranks use 1 (OpenMP pools do not survive fork), so asking for more
+    starts ranks with spawn instead (slower to start: each imports torch).
     """
     import multiprocessing as mp
 
     _check_args(fn, world_size, timeout, backend, start_method, threads)
     backend = mesh.resolve_backend(backend, world_size)
+    can_fork = sys.platform.startswith("linux") and not mesh.cuda_initialized()
     if start_method == "auto":
-        # fork is unsafe once CUDA is initialised here, and unavailable off Linux
-        start_method = "fork" if sys.platform.startswith("linux") and not mesh.cuda_initialized() else "spawn"
-    threads = threads or max(1, mesh.cpu_cores() // world_size)
+        # fork is unsafe once CUDA is initialised here, and unavailable off Linux. Forked
+        # ranks must also stay single-threaded: GNU OpenMP's thread pool does not survive
+        # fork, so a forked rank's first multi-threaded op would hang forever once this
+        # process has done any threaded math. Asking for threads > 1 therefore spawns.
+        start_method = "fork" if can_fork and (threads is None or threads == 1) else "spawn"
+    elif start_method == "fork" and threads is not None and threads > 1:
+        raise ValueError(
+            f"threads={threads} needs start_method='spawn' (or 'auto'): OpenMP thread pools do not survive fork"
+        )
+    if threads is None:
+        threads = 1 if start_method == "fork" else max(1, mesh.cpu_cores() // world_size)
     mpctx = mp.get_context(start_method)
     if start_method == "fork":
         _warm_imports()
@@ -233,7 +248,7 @@ def launch(
                 elif what == "text":
                     (sys.stdout if msg["stream"] == "stdout" else sys.stderr).write(msg["text"])
                 elif what == "result":
-                    values[msg["rank"]] = msg["value"]
+                    values[msg["rank"]] = pickle.loads(msg["value"])
                     comm[msg["rank"]] = msg["comm"]
                 elif what == "error":
                     raise _root_cause(msg, q, procs)

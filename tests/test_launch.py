@@ -57,18 +57,41 @@ def test_values_timeline_and_prints(world_size, capsys):
     assert sorted(e["rank"] for e in spans) == list(range(world_size))
     assert all(0 <= e["start"] <= e["end"] <= res.wall_time for e in spans)
     assert capsys.readouterr().out.count("rank-0 says hi") == 1
-    cores = len(os.sched_getaffinity(0))
-    assert all(v["threads"] == max(1, cores // world_size) for v in res.values)
+    assert all(v["threads"] == 1 for v in res.values)  # forked ranks stay single-threaded (OpenMP)
 
 
 def test_kwargs_seed_and_threads():
     def f(ctx, a, b=0):
         return (a + b, ctx.seed, torch.get_num_threads(), torch.randn(1).item())
 
-    res = pl.launch(f, 2, 1, b=2, seed=7, threads=1)
+    res = pl.launch(f, 2, 1, b=2, seed=7, threads=1)  # threads=1 keeps fork
     assert [v[:3] for v in res.values] == [(3, 7, 1), (3, 7, 1)]
     torch.manual_seed(7)
     assert res.values[0][3] == res.values[1][3] == torch.randn(1).item()  # replicated init shares the seed
+
+
+def test_fork_after_threaded_math_does_not_hang():
+    """GNU OpenMP's pool does not survive fork: forked ranks must compute single-threaded."""
+    torch.set_num_threads(2)
+    a = torch.randn(256, 256)
+    for _ in range(3):
+        a = a @ a / 256  # the parent's thread pool is now live
+
+    def f(ctx):
+        x = torch.randn(128, 128)
+        return (x @ x).shape[0], torch.get_num_threads()
+
+    assert pl.launch(f, 1, timeout=20).values == [(128, 1)]
+    with pytest.raises(ValueError, match="threads=2 needs start_method='spawn'"):
+        pl.launch(f, 1, threads=2, start_method="fork")
+
+
+def test_tensors_come_back_by_value():
+    def f(ctx):
+        return {"t": torch.arange(5) * (ctx.rank + 1), "big": torch.ones(100_000)}
+
+    res = pl.launch(f, 2)
+    assert res.values[1]["t"].tolist() == [0, 2, 4, 6, 8] and res.values[0]["big"].sum().item() == 100_000
 
 
 def test_spawn_ships_closures_by_value():

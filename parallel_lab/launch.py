@@ -241,6 +241,9 @@ def launch(
                     timeline.append(msg)
                 elif what == "memory":
                     memory.append(msg)
+                elif what == "reset":  # a rank forgot its warm-up: forget what it streamed
+                    timeline[:] = [e for e in timeline if e["rank"] != msg["rank"]]
+                    memory[:] = [m for m in memory if m["rank"] != msg["rank"]]
                 elif what == "ready":
                     ready.add(msg["rank"])
                 elif what == "enter":

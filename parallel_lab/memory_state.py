@@ -9,13 +9,15 @@ really created, never from a formula (costmodel.py is the formula side).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 from .alloc_mode import _storage
-from .memory import MemoryTracker
+
+if TYPE_CHECKING:  # memory.py re-exports this module, so import it lazily at run time
+    from .memory import MemoryTracker
 
 
 def attach_hooks(
@@ -184,6 +186,8 @@ def measure_model_state(
     _check_state_args(optimizer_name, precision)
     model = copy.deepcopy(model)
     x, y = batch
+    from .memory import MemoryTracker
+
     with MemoryTracker(x.device) as mem:
         tr = _Trainer(model, optimizer_name, precision, lr)
         mem.register_module(model)

@@ -100,6 +100,7 @@ class Recorder:
         self.events.clear()
         self.samples.clear()
         self.comm.clear()
+        self._emit("reset", {"rank": self.rank})  # the launcher drops what it already streamed
 
     # -- memory ----------------------------------------------------------------
     def sample_memory(self, label: str = "") -> dict | None:

@@ -253,3 +253,16 @@ def test_accelerate_launch_with_cpu_config(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 ranks, 3 steps, identical weights on all ranks: True" in r.stdout
     assert pl.RunResult.load(trace).world_size == 2
+
+
+def test_recorder_reset_drops_streamed_warmup():
+    def f(ctx):
+        with ctx.span("warm-up", "comm"):
+            dist.barrier()
+        ctx.recorder.reset()
+        with ctx.span("measured", "compute"):
+            pass
+        return ctx.recorder.comm_totals()["sent"]
+
+    res = pl.launch(f, 2)
+    assert [e["name"] for e in res.timeline] == ["measured", "measured"]

@@ -60,7 +60,9 @@ class MemoryTracker:
         self._total = 0
         self._peak_total = 0
         self._peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self._labels: list[str] = []
+        self._local = (
+            threading.local()
+        )  # category() labels are per thread: a comm thread must not relabel compute
         self._modules: list[weakref.ref] = []
         self._optimizers: list[weakref.ref] = []
         self._handles: list[Any] = []
@@ -95,16 +97,22 @@ class MemoryTracker:
         return self._mode is not None
 
     # -- labels ----------------------------------------------------------------
+    def _label_stack(self) -> list[str]:
+        stack = getattr(self._local, "labels", None)
+        if stack is None:
+            stack = self._local.labels = []
+        return stack
+
     @contextlib.contextmanager
     def category(self, name: str) -> Iterator[None]:
         """Label allocations made inside the block (e.g. `with mem.category("comm"): buf = ...`)."""
         if name not in CATEGORIES:
             raise ValueError(f"category name must be one of {CATEGORIES}, got {name!r}")
-        self._labels.append(name)
+        self._label_stack().append(name)
         try:
             yield
         finally:
-            self._labels.pop()
+            self._label_stack().pop()
 
     # -- bookkeeping (called per new storage: keep it lean) ---------------------
     def _seen(self, t: torch.Tensor) -> None:
@@ -121,8 +129,9 @@ class MemoryTracker:
         mine = self._devices.get(dev)
         if not (self._mine(dev) if mine is None else mine):
             return
-        if self._labels:
-            cat = self._labels[-1]
+        labels = self._label_stack()
+        if labels:
+            cat = labels[-1]
         elif torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             cat = "activation"
         else:

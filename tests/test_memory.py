@@ -341,3 +341,27 @@ def test_cross_check_is_none_without_a_device_allocator():
     # run has no such count to compare with.
     with MemoryTracker() as mem:
         assert mem.cross_check() is None
+
+
+def test_category_labels_are_per_thread():
+    """A comm thread inside category("comm") must not relabel the main thread's allocations."""
+    import threading
+
+    mem = MemoryTracker(torch.device("cpu")).start()
+    entered, release = threading.Event(), threading.Event()
+
+    def comm_thread():
+        with mem.category("comm"):
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=comm_thread)
+    t.start()
+    entered.wait(10)
+    with torch.no_grad():
+        x = torch.ones(1000)  # noqa: F841 - allocated on the main thread while the label is held elsewhere
+    release.set()
+    t.join()
+    snap = mem.snapshot()
+    mem.stop()
+    assert snap["comm"] == 0 and snap["other"] == 4000

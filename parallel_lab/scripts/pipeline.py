@@ -1,0 +1,103 @@
+"""Lesson 09 as a script: train a pipelined TinyMLP with one schedule and report its bubble.
+
+    torchrun --nproc-per-node 4 -m parallel_lab.scripts.pipeline --schedule 1f1b
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 4 -m parallel_lab.scripts.pipeline --schedule 1f1b
+    python -m parallel_lab.scripts.pipeline --schedule interleaved --chunks 2   # no launcher: 4 local ranks
+
+With `--dp 2` the ranks form DP x PP (2 replicas of a 2-stage pipeline on 4 ranks).
+`--compute-time` pads each stage's forward of one micro-batch to that many seconds
+(backward 2x), an emulated device speed that makes compute dominate message latency
+on a busy CPU. Rank 0 prints the losses next to single-process training, the
+measured bubble next to (p-1)/(v*m + p-1), the bytes each rank sent, and writes the
+trace (`--trace`, default runs/pipeline.json) that `RunResult.load` reads back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from parallel_lab.costmodel import pipeline_bubble_fraction
+from parallel_lab.models import build_model, train_reference
+from parallel_lab.parallel_dims import ParallelDims
+from parallel_lab.pipeline import SCHEDULES
+from parallel_lab.pipeline_exec import PipelineConfig, reference_batches, train_pipeline
+from parallel_lab.pipeline_viz import measured_bubble
+
+
+def report(result, cfg: PipelineConfig, dims: ParallelDims) -> tuple[str, bool]:
+    """Losses against single-process training, the bubble against the formula, bytes per rank."""
+    model = build_model(cfg.model_config, seed=cfg.seed)
+    ref = train_reference(model, reference_batches(cfg), cfg.optimizer, cfg.lr, cfg.steps)
+    last = [v for v in result.values if v["losses"] is not None]
+    losses = [sum(v["losses"][i] for v in last) / len(last) for i in range(cfg.steps)]
+    ok = max(abs(a - b) for a, b in zip(losses, ref)) < 1e-5
+    p, m = dims.pp, cfg.microbatches
+    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    m = 1 if cfg.schedule == "naive" else m
+    lines = [f"{'step':>4} {'pipeline loss':>14} {'single-process':>15}"]
+    lines += [f"{i:>4} {a:>14.6f} {b:>15.6f}" for i, (a, b) in enumerate(zip(losses, ref))]
+    bubble = min(measured_bubble(result, s) for s in range(cfg.steps))
+    lines.append(
+        f"bubble: measured {bubble:.1%} (best step), formula (p-1)/(v*m + p-1) = "
+        f"{pipeline_bubble_fraction(p, m, v):.1%}; Megatron's bubble/compute (p-1)/(v*m) = {(p - 1) / (v * m):.1%}"
+    )
+    for r, c in enumerate(result.comm_bytes):
+        lines.append(
+            f"rank {r}: sent {c['sent']:,} B "
+            + ", ".join(f"{k} {d['sent']:,}" for k, d in c["by_op"].items())
+        )
+    return "\n".join(lines), ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved only)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (pp = world size / dp)")
+    ap.add_argument(
+        "--compute-time", type=float, default=0.02, help="seconds per stage forward (0: as fast as it runs)"
+    )
+    ap.add_argument("--trace", default="runs/pipeline.json", help="where rank 0 writes the trace")
+    ap.add_argument("--nproc", type=int, default=4, help="ranks to start when run without a launcher")
+    args = ap.parse_args(argv)
+    micro = 1 if args.schedule == "naive" else args.microbatches
+    try:
+        cfg = PipelineConfig(schedule=args.schedule, microbatches=micro, chunks=args.chunks if args.schedule == "interleaved" else 1,
+                             layers=args.layers, hidden=args.hidden, batch=args.batch, steps=args.steps,
+                             compute_time=args.compute_time)  # fmt: skip
+    except ValueError as e:
+        ap.error(str(e))
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    if world % args.dp:
+        ap.error(f"--dp {args.dp} must divide the world size {world}")
+    dims = ParallelDims(dp=args.dp, pp=world // args.dp, world_size=world)
+    if "RANK" in os.environ:  # under torchrun / accelerate launch
+        from parallel_lab.launch import run_from_env
+
+        result = run_from_env(train_pipeline, cfg, dims, trace_path=args.trace)
+    else:
+        from parallel_lab.launch import launch
+
+        result = launch(train_pipeline, world, cfg, dims, threads=1)
+        result.save_chrome_trace(args.trace)
+    if result is None:  # not rank 0
+        return 0
+    table, ok = report(result, cfg, dims)
+    print(f"{world} ranks ({result.backend}): dp={dims.dp} x pp={dims.pp}, schedule {cfg.schedule}, m={cfg.microbatches}"
+          + (f", v={cfg.chunks}" if cfg.schedule == "interleaved" else ""))  # fmt: skip
+    print(table)
+    print("losses match single-process training" if ok else "LOSSES DIFFER from single-process training")
+    print(f"trace written to {args.trace} ({len(result.timeline)} spans)")
+    sys.stdout.flush()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,7 +10,10 @@ Every number a lesson measures is first predicted here:
 - ring all-reduce volume 2(N-1)/N * S per rank (Patarasuk & Yuan 2009);
 - pipeline bubble (p-1)/(v*m + p-1) (GPipe; Narayanan et al. 2021 for v chunks);
 - training FLOPs 6*N*D (Kaplan et al. 2020) and arithmetic intensity / roofline
-  (Williams et al. 2009).
+  (Williams et al. 2009);
+- the 3D planner (`plan`, `ModelSpec`, `ClusterSpec`, `Plan`: lesson 10) lives in
+  `planner.py`, which builds on the functions here; it is reachable as
+  `costmodel.plan` too.
 
 Invariant: functions are pure arithmetic on their arguments (no torch state), and
 reject bad input with a ValueError/TypeError that names the argument.
@@ -230,3 +233,15 @@ __all__ = [
     "arithmetic_intensity_matmul", "bytes_per_param", "matmul_flops", "model_state_bytes",
     "pipeline_bubble_fraction", "roofline", "rule_of_thumb_bytes", "shard_numel", "training_flops",
 ]  # fmt: skip
+
+
+_PLANNER = ("ClusterSpec", "ModelSpec", "Plan", "plan", "evaluate", "gradient_traffic_per_iteration")
+
+
+def __getattr__(name: str):
+    # planner.py imports this module, so it is loaded on first use rather than at import
+    if name in _PLANNER:
+        from . import planner
+
+        return getattr(planner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,6 +25,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.browser
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = "notebooks/00_tour.ipynb"
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")

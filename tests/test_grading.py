@@ -98,6 +98,31 @@ def test_strip_solutions_keeps_indentation_signature_and_hint(make_exercises):
     compile(out, "cell", "exec")
 
 
+def test_blocks_are_named_after_the_exercise_heading_above_them(make_exercises):
+    """The message a learner sees names the exercise they are reading, and the method it belongs to."""
+    nb = nbformat.v4.new_notebook()
+    body = "    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n"
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("## Exercises 1 and 2: forward and backward"),
+        nbformat.v4.new_code_cell(
+            f"class Fn:\n  @staticmethod\n  def forward(x):\n{body}\n  def backward(x):\n{body}"
+        ),
+        nbformat.v4.new_markdown_cell("## Exercise 3: two functions"),
+        nbformat.v4.new_code_cell(f"def f(x):\n{body}"),
+        nbformat.v4.new_code_cell(f"def g(x):\n{body}"),
+    ]
+    out = make_exercises.make_exercise(nb)
+    code = "".join(c.source for c in out.cells if c.cell_type == "code")
+    assert [
+        line.split('"')[1].split(":")[0] for line in code.splitlines() if "NotImplementedError" in line
+    ] == [
+        "exercise 1 (Fn.forward)",
+        "exercise 2 (Fn.backward)",
+        "exercise 3 (f)",
+        "exercise 3 (g)",
+    ]
+
+
 @pytest.mark.parametrize(
     "src, rule",
     [

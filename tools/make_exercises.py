@@ -22,18 +22,22 @@ JupyterLab. The same input always gives a byte-identical file.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
 
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
+HEADING = re.compile(r"^#+\s*Exercises?\s+(\d+(?:\s*(?:,|and|&)\s*\d+)*)", re.MULTILINE | re.IGNORECASE)
 CHECK_TAG = "check"
 CHECK_HEADER = "# NBVAL_CHECK_OUTPUT"
 REPO = Path(__file__).resolve().parents[1]
 _DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)")
+_CLASS = re.compile(r"^(\s*)class\s+(\w+)")
 
 
 class SolutionFormatError(ValueError):
@@ -49,16 +53,27 @@ def ensure_ids(nb: nbformat.NotebookNode) -> None:
 
 
 def _enclosing_function(lines: list[str], indent: str) -> str | None:
-    """Name of the nearest `def` above the block that the block is indented under."""
+    """Name of the nearest `def` above the block that the block is indented under
+    (`Class.method` for a method, so two `forward`s in one cell read apart)."""
+    name, depth = None, len(indent)
     for line in reversed(lines):
-        m = _DEF.match(line)
-        if m and len(m.group(1)) < len(indent):
-            return m.group(2)
-    return None
+        m = (_CLASS if name else _DEF).match(line)
+        if m and len(m.group(1)) < depth:
+            if name:
+                return f"{m.group(2)}.{name}"
+            name, depth = m.group(2), len(m.group(1))
+            if depth == 0:
+                return name
+    return name
 
 
-def strip_solutions(source: str, first_number: int, where: str) -> tuple[str, int]:
-    """Replace every marked block in `source`; returns (new source, number of blocks)."""
+def strip_solutions(source: str, first_number: int | Iterator[int], where: str) -> tuple[str, int]:
+    """Replace every marked block in `source`; returns (new source, number of blocks).
+
+    Blocks are named `exercise first_number`, `first_number + 1`, ...; or, given an
+    iterator, by the numbers it yields (one per block).
+    """
+    numbers = itertools.count(first_number) if isinstance(first_number, int) else first_number
     out: list[str] = []
     block: list[str] | None = None
     indent, n = "", 0
@@ -73,7 +88,7 @@ def strip_solutions(source: str, first_number: int, where: str) -> tuple[str, in
                 raise SolutionFormatError(f"{where}, line {lineno}: '{END}' without '{BEGIN}'")
             hints = [b.strip()[len(HINT) :].strip() for b in block if b.strip().startswith(HINT)]
             func = _enclosing_function(out, indent)
-            name = f"exercise {first_number + n}" + (f" ({func})" if func else "")
+            name = f"exercise {next(numbers)}" + (f" ({func})" if func else "")
             hint = " ".join(h for h in hints if h) or (
                 f"write the body of {func}" if func else "write this code"
             )
@@ -96,11 +111,18 @@ def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nb
     nb = nbformat.from_dict(json.loads(json.dumps(solution)))  # deep copy
     ensure_ids(nb)
     nb.metadata.pop("widgets", None)  # saved widget state belongs to outputs we drop
-    number = 1
+    # a block is named after the "Exercise N" heading above it, so the message a learner
+    # sees matches the text they are reading; notebooks without such headings count blocks
+    headed = any(c.cell_type == "markdown" and HEADING.search(c.source) for c in nb.cells)
+    number, under = 1, iter(())  # under: the numbers of the exercise heading above
     for i, cell in enumerate(nb.cells):
         where = f"{name}, cell {i} (id {cell.id})"
         cell.metadata.pop("execution", None)  # timings JupyterLab may record
         if cell.cell_type != "code":
+            if headed and (m := HEADING.search(cell.source)):
+                # "Exercises 1 and 2": the blocks below are 1, then 2 (the last repeats)
+                nums = [int(d) for d in re.findall(r"\d+", m.group(1))]
+                under = itertools.chain(nums, itertools.repeat(nums[-1]))
             if BEGIN in cell.source or END in cell.source:
                 raise SolutionFormatError(f"{where}: solution markers are only allowed in code cells")
             continue
@@ -112,7 +134,7 @@ def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nb
                 raise SolutionFormatError(f"{where}: a check cell must not contain a solution")
             cell.metadata["deletable"], cell.metadata["editable"] = False, False
             continue
-        cell.source, n = strip_solutions(cell.source, number, where)
+        cell.source, n = strip_solutions(cell.source, under if headed else number, where)
         number += n
         if "BEGIN SOLUTION" in cell.source or "END SOLUTION" in cell.source:
             raise SolutionFormatError(f"{where}: a solution marker is not on a line of its own")

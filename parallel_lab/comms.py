@@ -5,6 +5,12 @@ The ring algorithms are the bandwidth-optimal all-reduce of Patarasuk & Yuan (20
 Baidu brought to deep learning and NCCL runs as its ring; the trees are binomial
 trees (MPICH's broadcast/reduce, Thakur, Rabenseifner & Gropp 2005).
 
+This file holds the machinery (argument checks, the traced exchange `_Op`, `Handle`);
+the ops live beside it, one idea per file, and are re-exported here so `comms.X` is
+the one name everything uses: collectives.py (ring, naive, all-to-all),
+collectives_tree.py (binomial trees), comms_p2p.py (send/recv), comms_builtin.py
+(traced torch.distributed built-ins), comms_cost.py (the byte formulas).
+
 Conventions
 - Every function takes the launch `ctx` first and works on `group` (None means
   `ctx.group`, and that None means the world). `src`, `dst` and `peer` arguments
@@ -280,60 +286,10 @@ class Handle:
         return self.result
 
 
-# ----------------------------------------------------------------------------- point to point
-def _p2p(ctx, name, send_t, dst, recv_t, src, group) -> _Op:
-    with _Op(ctx, name, send_t if send_t is not None else recv_t, group) as o:
-        for n, r in (("dst", dst), ("src", src)):
-            if r is not None:
-                _check_rank(n, r, o.p)
-        o.xchg(send_t, dst, recv_t, src)
-    return o
-
-
-def send(ctx, tensor: torch.Tensor, dst: int, group=None) -> None:
-    """Send `tensor` to group rank `dst` (blocks until the message is handed over)."""
-    _p2p(ctx, "send", tensor, dst, None, None, group)
-
-
-def recv(ctx, tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
-    """Receive into `tensor` (its shape and dtype must match what `src` sends); returns it."""
-    _p2p(ctx, "recv", None, None, tensor, src, group)
-    return tensor
-
-
-def sendrecv(ctx, send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int, group=None) -> torch.Tensor:
-    """Post the send and the receive together, then wait for both: a ring of these cannot deadlock."""
-    _p2p(ctx, "sendrecv", send_t, dst, recv_t, src, group)
-    return recv_t
-
-
-def _ip2p(ctx, name, tensor, peer, group, is_send) -> Handle:
-    g = _group(ctx, group)
-    p, _ = _size_rank(g)
-    _check_rank("dst" if is_send else "src", peer, p)
-    fn, nbytes = (dist.isend if is_send else dist.irecv), tensor.numel() * tensor.element_size()
-    works = [fn(tensor, _global(g, peer), group=g)] if tensor.numel() > 0 else []
-    args = {
-        "op": name,
-        "numel": tensor.numel(),
-        "dtype": str(tensor.dtype).replace("torch.", ""),
-        "peers": [_global(g, peer)],
-    }
-    return Handle(ctx, name, works, args, nbytes if is_send else 0, 0 if is_send else nbytes, tensor)
-
-
-def isend(ctx, tensor: torch.Tensor, dst: int, group=None) -> Handle:
-    """Start sending `tensor` to `dst`; don't touch `tensor` until `.wait()`."""
-    return _ip2p(ctx, "isend", tensor, dst, group, True)
-
-
-def irecv(ctx, tensor: torch.Tensor, src: int, group=None) -> Handle:
-    """Start receiving into `tensor` from `src`; `.wait()` returns it filled."""
-    return _ip2p(ctx, "irecv", tensor, src, group, False)
-
-
 # The formulas, the from-scratch collectives and the traced built-ins live beside this
 # file (each one idea); `comms.X` is the one name learners and techniques use.
 from .collectives import *  # noqa: E402,F401,F403
+from .collectives_tree import *  # noqa: E402,F401,F403
 from .comms_builtin import *  # noqa: E402,F401,F403
 from .comms_cost import alpha_beta_seconds, chunk_sizes, ring_bytes_per_rank, tree_bytes_per_rank  # noqa: E402,F401
+from .comms_p2p import *  # noqa: E402,F401,F403

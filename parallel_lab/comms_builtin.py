@@ -1,5 +1,9 @@
 """Traced wrappers of the torch.distributed collectives (the built-ins we compare with).
 
+Also the two ways a collective runs while compute goes on (used by BucketedDDP):
+`AsyncAllReduce`, a built-in all-reduce in flight drawn from issue to completion, and
+`CommThread`, one background thread that runs our own ring collectives in order.
+
 Invariant: each call records one "comm" span and the NOMINAL bytes of the textbook
 algorithm (the backend does not report what it sends; gloo's reduce_scatter, for
 one, is an all-reduce inside and moves about twice that).
@@ -8,7 +12,11 @@ Import them from `parallel_lab.comms`, which re-exports this module.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -175,7 +183,86 @@ def dist_barrier(ctx, group=None) -> None:
         dist.barrier(group=_group(ctx, group))
 
 
+# ----------------------------------------------------------------------------- asynchronous: a built-in in flight, our own on a thread
+class AsyncAllReduce:
+    """`dist.all_reduce(async_op=True)` drawn on the timeline from issue to *completion*.
+
+    gloo runs the reduction on its own threads, outside the GIL, so backward keeps
+    computing meanwhile. The completion time comes from the work's future (a
+    callback on gloo's thread); `wait()` records the span and books the ring's
+    nominal bytes, like `dist_all_reduce`.
+    """
+
+    def __init__(self, ctx, tensor: torch.Tensor, group=None, name: str = "all_reduce", **args: Any):
+        self.ctx, self.name, self.rec = ctx, name, ctx.recorder
+        p, me = dist.get_world_size(group), dist.get_rank(group)
+        self.sent, self.recv = ring_bytes_per_rank(tensor.numel(), p, tensor.element_size(), "all_reduce")[me]
+        self.args = {"op": "all_reduce", "numel": tensor.numel(), "dtype": str(tensor.dtype)[6:], **args}
+        self.start, self.done_at, self.tensor = self.rec.now(), None, tensor
+        self.rec.enter_comm(name)
+        self.work = dist.all_reduce(tensor, group=group, async_op=True)
+        self.future = self.work.get_future()
+        self.future.add_done_callback(self._done)
+
+    def _done(self, _fut: Any) -> None:
+        self.done_at = self.rec.now()  # runs on gloo's thread, the moment the reduction finished
+
+    def wait(self) -> torch.Tensor:
+        """Block until the reduction is done; returns the (reduced, in place) tensor."""
+        if self.work is not None:
+            self.work.wait()
+            self.record(self.done_at)
+        return self.tensor
+
+    def record(self, end: float | None = None) -> None:
+        """Book the span (issue -> `end`, default now) and the bytes, once."""
+        if self.work is None:
+            return
+        self.work = None
+        end = end if end is not None else self.rec.now()
+        self.rec.add_event(self.name, "comm", self.start, end, **self.args, bytes_sent=self.sent,
+                           bytes_recv=self.recv)  # fmt: skip
+        self.rec.count_bytes("all_reduce", self.sent, self.recv)
+
+
+class CommThread:
+    """One background thread that runs our from-scratch ring all-reduces in order (a "comm stream")."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="parallel_lab-comm").start()
+
+    def _run(self) -> None:
+        while True:
+            fn, box, done = self.jobs.get()
+            try:
+                box.append(fn())
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread at wait()
+                box.append(e)
+            done.set()
+
+    def submit(self, fn: Any) -> _ThreadHandle:
+        """Queue `fn()` behind the jobs already queued; `.wait()` on the result returns its value."""
+        h = _ThreadHandle()
+        self.jobs.put((fn, h.box, h.done))
+        return h
+
+
+@dataclass
+class _ThreadHandle:
+    box: list = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def wait(self) -> Any:
+        self.done.wait()
+        if isinstance(self.box[0], BaseException):
+            raise self.box[0]
+        return self.box[0]
+
+
 __all__ = [
+    "AsyncAllReduce",
+    "CommThread",
     "dist_all_gather",
     "dist_all_reduce",
     "dist_all_to_all",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue
 import shutil
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from . import mesh
 from .context import Context, LaunchTimeout, RankError, _make_context, _run_fn, _to_cpu
 from .from_env import run_from_env
+from .launch_procs import _drain, _reap, _root_cause
 from .result import RunResult
 
 #: A launch asks for at most this many ranks: beyond it a laptop thrashes, and
@@ -296,63 +296,6 @@ def _warm_imports() -> None:
     are wrapped by torch._disable_dynamo): ~1-3 s, paid by every forked rank at once
     on a laptop's few cores. Imported here, forked ranks inherit it for free."""
     import torch._dynamo  # noqa: F401
-
-
-def _drain(q, wait: float = 0.05, limit: int = 10_000) -> list:
-    """Everything waiting on the queue (blocking up to `wait` for the first message).
-
-    Draining in batches matters: a live redraw between every two messages would let a
-    chatty run fall minutes behind."""
-    try:
-        batch = [q.get(timeout=wait)]
-    except queue.Empty:
-        return []
-    while len(batch) < limit:
-        try:
-            batch.append(q.get_nowait())
-        except queue.Empty:
-            break
-    return batch
-
-
-_SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
-
-
-def _root_cause(first: dict, q, procs) -> RankError:
-    """When one rank fails its peers soon fail too ("connection reset"): blame the rank that
-    failed first for a real reason, preferring one that died outright or raised a non-network error."""
-    errors = [first]
-    end = time.perf_counter() + 0.3
-    while time.perf_counter() < end:
-        try:
-            what, msg = q.get(timeout=0.05)
-        except queue.Empty:
-            continue
-        if what == "error":
-            errors.append(msg)
-    reported = {e["rank"] for e in errors}
-    for r, p in enumerate(procs):
-        if r not in reported and not p.is_alive() and p.exitcode not in (0, 1, None):
-            return RankError(r, "ProcessDied", f"exited with code {p.exitcode} without returning",
-                             "(no Python traceback: the process was killed or crashed)")  # fmt: skip
-    real = [e for e in errors if not any(s in e["message"] for s in _SECONDARY)]
-    e = (real or errors)[0]
-    return RankError(e["rank"], e["type"], e["message"], e["traceback"])
-
-
-def _reap(procs, graceful: bool) -> None:
-    """After success give ranks a moment to exit cleanly; then (or at once on failure) kill the rest."""
-    end = time.perf_counter() + (2.0 if graceful else 0.0)
-    for p in procs:
-        if p.pid is None:
-            continue
-        p.join(timeout=max(0.0, end - time.perf_counter()))
-    for p in procs:
-        if p.pid is not None and p.is_alive():
-            p.kill()
-    for p in procs:
-        if p.pid is not None:
-            p.join(timeout=5.0)
 
 
 __all__ = ["Context", "LaunchTimeout", "RankError", "RunResult", "launch", "run_from_env"]

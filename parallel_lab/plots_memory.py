@@ -30,11 +30,13 @@ def plot_memory(
     unit: str = "auto",
     ax: Any = None,
     title: str | None = "Memory per rank",
+    predicted_label: str = "predicted peak",
 ) -> Figure:
     """Per rank a subplot (shared y) of memory stacked by category over time (step-wise).
 
     `predicted`: a number (one "predicted peak" line on every rank), a dict rank ->
-    bytes, or a dict category -> bytes (the line is drawn at their sum). `ax` may be
+    bytes, or a dict category -> bytes (the line is drawn at their sum), labelled
+    `predicted_label` (say "predicted model states" when the line is not a peak). `ax` may be
     one Axes (one rank) or a sequence with one Axes per rank.
     """
     samples, ws = memory_of(result_or_samples)
@@ -68,8 +70,9 @@ def plot_memory(
             raise ValueError(f"ax must hold one Axes per rank ({n}), got {len(axes)}")
         fig = axes[0].figure
     draw_memory(
-        fig, axes[:n], samples, ranks, predicted=predicted, unit=unit, title=title, legend_outside=ax is None
-    )
+        fig, axes[:n], samples, ranks, predicted=predicted, unit=unit, title=title, legend_outside=ax is None,
+        predicted_label=predicted_label,
+    )  # fmt: skip
     return fig
 
 
@@ -82,6 +85,7 @@ def draw_memory(
     unit: str = "auto",
     title: str | None = None,
     legend_outside: bool = True,
+    predicted_label: str = "predicted peak",
 ) -> None:
     """Draw normalised samples, one Axes per rank in `ranks` (used by the live view too)."""
     pred = _predicted_per_rank(predicted, ranks)
@@ -129,10 +133,10 @@ def draw_memory(
                 color="black",
                 linestyle="--",
                 linewidth=1.2,
-                label="predicted peak",
+                label=predicted_label,
                 gid="predicted",
             )
-            handles["predicted peak"] = line
+            handles[predicted_label] = line
         a.set_title(f"rank {r}: peak {totals[r] / scale:.3g} {uname}" if rs else f"rank {r}", fontsize=10)
         spec = a.get_subplotspec()
         ncols = spec.get_gridspec().ncols if spec is not None else 1

@@ -252,6 +252,8 @@ def test_memory_subplots_units_legend_and_predicted_number():
         assert line.get_linestyle() == "--"
     assert axes[0].get_ylim()[1] > 3.5  # the line is inside the frame
     fig.canvas.draw()
+    fig = plot_memory(memory_samples(), predicted=3.5 * MiB, predicted_label="predicted model states")
+    assert legend_labels(fig)[0] == "predicted model states"
 
 
 def test_memory_predicted_per_rank_and_per_category():

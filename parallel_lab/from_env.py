@@ -1,4 +1,4 @@
-"""run_from_env: the script-side twin of `launch`, for torchrun and accelerate launch."""
+"""run_from_env: the script-side twin of `launch`, for torchrun and accelerate launch; run_script: both."""
 
 from __future__ import annotations
 
@@ -71,4 +71,30 @@ def run_from_env(
     )
     if trace_path:
         result.save_chrome_trace(trace_path)
+    return result
+
+
+def run_script(
+    fn: Callable[..., Any],
+    *args: Any,
+    nproc: int,
+    trace_path: str,
+    track_memory: bool = False,
+    timeout: float = 120.0,
+    threads: int | None = None,
+    **kwargs: Any,
+) -> RunResult | None:
+    """How every lesson script runs `fn(ctx, *args, **kwargs)`, with or without a launcher.
+
+    Under torchrun / accelerate launch (RANK is set) this process is one rank
+    (`run_from_env`); run plainly, it starts `nproc` local ranks with `launch`
+    (`timeout` and `threads` apply to that case only). Either way rank 0 gets the
+    RunResult, its trace written to `trace_path`; the other ranks get None.
+    """
+    if "RANK" in os.environ:
+        return run_from_env(fn, *args, trace_path=trace_path, track_memory=track_memory, **kwargs)
+    from .launch import launch  # launch imports this module
+
+    result = launch(fn, nproc, *args, track_memory=track_memory, timeout=timeout, threads=threads, **kwargs)
+    result.save_chrome_trace(trace_path)
     return result

@@ -14,7 +14,6 @@ correct collective differs from the built-in by exactly 0.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from parallel_lab import comms as C
 from parallel_lab import mesh
+from parallel_lab.from_env import run_script
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -193,15 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.numel < 0:
         ap.error("--numel must be >= 0")
-    if "RANK" in os.environ:  # under torchrun / accelerate launch
-        from parallel_lab.launch import run_from_env
-
-        result = run_from_env(run_collectives, numel=args.numel, dtype=args.dtype, trace_path=args.trace)
-    else:
-        from parallel_lab.launch import launch
-
-        result = launch(run_collectives, args.nproc, numel=args.numel, dtype=args.dtype)
-        result.save_chrome_trace(args.trace)
+    result = run_script(
+        run_collectives, nproc=args.nproc, trace_path=args.trace, numel=args.numel, dtype=args.dtype
+    )
     if result is None:  # not rank 0
         return 0
     table, ok = report(result.values)

@@ -16,7 +16,6 @@ the trace (`--trace`, default runs/ddp.json) loads back with `RunResult.load`.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from parallel_lab.data_parallel import (
     train_step,
 )
 from parallel_lab.ddp import AsyncAllReduce, BucketedDDP
+from parallel_lab.from_env import run_script
 from parallel_lab.models import GPTConfig, build_model, make_optimizer, synthetic_batch
 from parallel_lab.overlap import LayerTimer, comm_hidden_fraction
 
@@ -248,15 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = replace(DDPRun(), variant=args.variant, bucket_bytes=int(args.bucket_kb * 1024), steps=args.steps,
                   batch=args.batch, accumulation_steps=args.accumulation, comm=args.comm)  # fmt: skip
-    if "RANK" in os.environ:  # under torchrun / accelerate launch
-        from parallel_lab.launch import run_from_env
-
-        result = run_from_env(train_dp, cfg, trace_path=args.trace)
-    else:
-        from parallel_lab.launch import launch
-
-        result = launch(train_dp, args.nproc, cfg)
-        result.save_chrome_trace(args.trace)
+    result = run_script(train_dp, cfg, nproc=args.nproc, trace_path=args.trace)
     if result is None:  # not rank 0
         return 0
     print(report(result.values, result.world_size))

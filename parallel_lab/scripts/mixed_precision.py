@@ -13,7 +13,6 @@ rank's gradients to show it). Runs from a notebook through
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel_lab.checkpointing import gpt_forward
+from parallel_lab.from_env import run_script
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
 from parallel_lab.precision import MixedPrecisionConfig, MixedPrecisionOptimizer, has_overflow
 
@@ -97,15 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ls = args.loss_scale if args.loss_scale in ("dynamic", "none") else float(args.loss_scale)
     cfg = RunConfig(dtype=args.dtype, loss_scale=ls, init_scale=args.init_scale,
                     growth_interval=args.growth_interval, steps=args.steps, overflow_at=tuple(args.overflow_at), checkpoint_segments=args.checkpoint_segments)  # fmt: skip
-    if "RANK" in os.environ:  # under torchrun / accelerate launch
-        from parallel_lab.launch import run_from_env
-
-        result = run_from_env(train_mixed, cfg, trace_path=args.trace)
-    else:
-        from parallel_lab.launch import launch
-
-        result = launch(train_mixed, args.nproc, cfg)
-        result.save_chrome_trace(args.trace)
+    result = run_script(train_mixed, cfg, nproc=args.nproc, trace_path=args.trace)
     if result is None:  # not rank 0
         return 0
     v = result.values

@@ -17,13 +17,13 @@ default runs/moe.json) that `RunResult.load` reads back in the notebook.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
 from parallel_lab import comms
 from parallel_lab.expert_parallel import VARIANTS, ExpertParallelMoE, all_to_all_v, dispatch_bytes
+from parallel_lab.from_env import run_script
 from parallel_lab.moe import POLICIES, MoEConfig, build_moe
 
 
@@ -137,15 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(steps=args.steps, tokens=args.tokens, d_model=args.d_model, d_ff=2 * args.d_model,
               num_experts=args.experts, k=args.k, capacity_factor=args.capacity_factor, policy=args.policy,
               variant=args.variant)  # fmt: skip
-    if "RANK" in os.environ:  # under torchrun / accelerate launch
-        from parallel_lab.launch import run_from_env
-
-        result = run_from_env(run_moe, trace_path=args.trace, **kw)
-    else:
-        from parallel_lab.launch import launch
-
-        result = launch(run_moe, args.nproc, **kw)
-        result.save_chrome_trace(args.trace)
+    result = run_script(run_moe, nproc=args.nproc, trace_path=args.trace, **kw)
     if result is None:  # not rank 0
         return 0
     table, ok = report(result.values, args.policy)

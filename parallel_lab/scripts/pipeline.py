@@ -19,6 +19,7 @@ import os
 import sys
 
 from parallel_lab.costmodel import pipeline_bubble_fraction
+from parallel_lab.from_env import run_script
 from parallel_lab.models import build_model, train_reference
 from parallel_lab.parallel_dims import ParallelDims
 from parallel_lab.pipeline import SCHEDULES
@@ -78,15 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if world % args.dp:
         ap.error(f"--dp {args.dp} must divide the world size {world}")
     dims = ParallelDims(dp=args.dp, pp=world // args.dp, world_size=world)
-    if "RANK" in os.environ:  # under torchrun / accelerate launch
-        from parallel_lab.launch import run_from_env
-
-        result = run_from_env(train_pipeline, cfg, dims, trace_path=args.trace)
-    else:
-        from parallel_lab.launch import launch
-
-        result = launch(train_pipeline, world, cfg, dims, threads=1)
-        result.save_chrome_trace(args.trace)
+    result = run_script(train_pipeline, cfg, dims, nproc=world, trace_path=args.trace, threads=1)
     if result is None:  # not rank 0
         return 0
     table, ok = report(result, cfg, dims)

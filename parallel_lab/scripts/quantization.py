@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from parallel_lab import comms
+from parallel_lab.from_env import run_script
 from parallel_lab.memory import count_bytes
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
 from parallel_lab.quantization import METHODS, Int8Linear, plant_outliers, quantize_linears, relative_error
@@ -130,15 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.magnitude > 0:
         ap.error(f"--magnitude must be > 0, got {args.magnitude}")
     kw = dict(schemes=tuple(args.schemes), batch=args.batch, magnitude=args.magnitude)
-    if "RANK" in os.environ:  # under torchrun / accelerate launch
-        from parallel_lab.launch import run_from_env
-
-        result = run_from_env(run_quantized_inference, trace_path=args.trace, **kw)
-    else:
-        from parallel_lab.launch import launch
-
-        result = launch(run_quantized_inference, args.nproc, **kw)
-        result.save_chrome_trace(args.trace)
+    result = run_script(run_quantized_inference, nproc=args.nproc, trace_path=args.trace, **kw)
     if result is None:  # not rank 0
         return 0
     table, ok = report(result.values)

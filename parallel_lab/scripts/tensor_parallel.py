@@ -16,11 +16,11 @@ writes the trace (`--trace`, default runs/tensor_parallel.json).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
+from parallel_lab.from_env import run_script
 from parallel_lab.models import GPTConfig, build_model, make_optimizer, synthetic_batch
 from parallel_lab.tensor_parallel import ParallelBlock, TensorParallelGPT, split, tp_comm_bytes_per_layer
 
@@ -196,15 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(steps=args.steps, batch=args.batch, seq=args.seq, d_model=args.d_model, heads=args.heads,
               layers=args.layers, sequence_parallel=args.sequence_parallel, regather=args.regather,
               impl=args.impl)  # fmt: skip
-    if "RANK" in os.environ:  # under torchrun / accelerate launch
-        from parallel_lab.launch import run_from_env
-
-        result = run_from_env(run_tensor_parallel, trace_path=args.trace, **kw)
-    else:
-        from parallel_lab.launch import launch
-
-        result = launch(run_tensor_parallel, args.nproc, **kw)
-        result.save_chrome_trace(args.trace)
+    result = run_script(run_tensor_parallel, nproc=args.nproc, trace_path=args.trace, **kw)
     if result is None:  # not rank 0
         return 0
     table, ok = report(result.values, args.batch, args.seq, args.d_model)

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 
+from parallel_lab.from_env import run_script
 from parallel_lab.models import GPTConfig
 from parallel_lab.parallel_dims import ParallelDims
 from parallel_lab.pipeline import SCHEDULES
@@ -77,15 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     track = not args.no_memory
-    if "RANK" in os.environ:  # under torchrun / accelerate launch
-        from parallel_lab.launch import run_from_env
-
-        result = run_from_env(train_3d, cfg, dims, trace_path=args.trace, track_memory=track)
-    else:
-        from parallel_lab.launch import launch
-
-        result = launch(train_3d, world, cfg, dims, threads=1, track_memory=track, timeout=300)
-        result.save_chrome_trace(args.trace)
+    result = run_script(train_3d, cfg, dims, nproc=world, trace_path=args.trace, track_memory=track, threads=1,
+                            timeout=300)  # fmt: skip
     if result is None:  # not rank 0
         return 0
     table, ok = report(result, cfg, dims)

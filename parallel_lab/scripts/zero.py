@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from typing import Any
 
 import torch
 
 from parallel_lab import comms
+from parallel_lab.from_env import run_script
 from parallel_lab.memory import attach_hooks
 from parallel_lab.models import GPTConfig, build_model, compute_loss, synthetic_batch
 from parallel_lab.offload import ZeroOffload, offload_state_bytes
@@ -154,15 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--offload runs on ZeRO stage 2: use --stage 2 (or leave --stage out)")
     kw = dict(stage=args.stage, offload=args.offload, steps=args.steps, batch=args.batch, d_model=args.d_model, n_layers=args.layers,
               precision=args.precision, prefetch=not args.no_prefetch)  # fmt: skip
-    if "RANK" in os.environ:  # under torchrun / accelerate launch
-        from parallel_lab.launch import run_from_env
-
-        result = run_from_env(zero_train, trace_path=args.trace, track_memory=True, **kw)
-    else:
-        from parallel_lab.launch import launch
-
-        result = launch(zero_train, args.nproc, track_memory=True, **kw)
-        result.save_chrome_trace(args.trace)
+    result = run_script(zero_train, nproc=args.nproc, trace_path=args.trace, track_memory=True, **kw)
     if result is None:  # not rank 0
         return 0
     v0 = result.values[0]

@@ -359,7 +359,10 @@ def test_gpipe_activations_grow_with_m_1f1b_stays_bounded():
             f"rank {r}: GPipe holds 8 more micro-batches, saw {grown:.2f}"
         )
         flat = (peaks["1f1b", 12][r] - peaks["1f1b", 4][r]) / unit
-        assert abs(flat) < 0.25, f"rank {r}: 1F1B's activations should not grow with m, grew {flat:.2f} units"
+        # growth by one micro-batch or more would be a schedule bug (GPipe grows by 8); below that, what
+        # varies with timing is the receives in flight when the peak is taken (up to two (b, h) buffers,
+        # 0.4 units) and backward's temporaries: 0.33 units was seen on a loaded machine
+        assert abs(flat) < 1.0, f"rank {r}: 1F1B's activations should not grow with m, grew {flat:.2f} units"
         assert peaks["1f1b", 12][r] < (4 - r + 1.5) * unit  # p - r in flight, plus backward temporaries
 
 

@@ -164,3 +164,73 @@ def test_planner_formulas_and_bad_input():
         evaluate(BLOOM, JEAN_ZAY, 8, 4, 8, 1, True, 2048, 2)
     with pytest.raises(ValueError, match="global_batch"):
         evaluate(BLOOM, JEAN_ZAY, 8, 4, 12, 1, True, 100, 2)
+
+
+# ----------------------------------------------------------------------------- the exercise checks
+def _mesh_groups(dp, tp, pp, rank, layout=("pp", "dp", "tp")):
+    """A learner's answer on a mesh ordered `layout` (outermost first); the lab's order by default."""
+    sizes = {"pp": pp, "dp": dp, "tp": tp}
+
+    def rank_of(c):
+        r = 0
+        for axis in layout:
+            r = r * sizes[axis] + c[axis]
+        return r
+
+    coords, rest = {}, rank
+    for axis in reversed(layout):
+        coords[axis], rest = rest % sizes[axis], rest // sizes[axis]
+    groups = {axis: [rank_of({**coords, axis: k}) for k in range(sizes[axis])] for axis in sizes}
+    return coords, groups
+
+
+def _comm_bytes(b, s, h, tp, dp, itemsize=2, dp_phases=2, tp_share=True, dp_shard=True):
+    x = b * s * h * itemsize
+    tp_bytes = 8 * (tp - 1) / tp * x if tp_share else 8 * x
+    dp_bytes = dp_phases * (dp - 1) / dp * 12 * h * h * itemsize / (tp if dp_shard else 1)
+    return {"tp": tp_bytes, "dp": dp_bytes}
+
+
+def test_three_d_checks_pass_the_right_answer(capsys):
+    from parallel_lab.checks import three_d as K
+
+    K.check_mesh_groups(_mesh_groups)
+    K.check_comm_bytes_per_layer(_comm_bytes)
+    assert capsys.readouterr().out.splitlines() == [
+        "check_mesh_groups passed: 57 meshes, 684 ranks",
+        "check_comm_bytes_per_layer passed: 160 cases, GPT-3's layer among them",
+    ]
+
+
+def test_three_d_checks_reject_wrong_answers():
+    from parallel_lab.checks import three_d as K
+
+    with pytest.raises(
+        AssertionError, match=r"rank=0\): tp group \[0, 2\], expected \[0, 1\].* puts TP outermost"
+    ):
+        K.check_mesh_groups(lambda dp, tp, pp, r: _mesh_groups(dp, tp, pp, r, layout=("tp", "dp", "pp")))
+    with pytest.raises(
+        AssertionError, match=r"mesh_groups\(dp=2, tp=2, pp=1, rank=0\): tp group \[0, 2\], expected \[0, 1\]"
+    ):
+        K.check_mesh_groups(lambda dp, tp, pp, r: _mesh_groups(dp, tp, pp, r, layout=("pp", "tp", "dp")))
+    unordered = lambda dp, tp, pp, r: (lambda c, g: (c, {**g, "pp": g["pp"][::-1]}))(
+        *_mesh_groups(dp, tp, pp, r)
+    )
+    with pytest.raises(AssertionError, match=r"pp=2, rank=0\): pp group \[.*\], expected \[0, 1\]"):
+        K.check_mesh_groups(unordered)
+    with pytest.raises(AssertionError, match="return \\(coords, groups\\)"):
+        K.check_mesh_groups(lambda dp, tp, pp, r: r)
+    with pytest.raises(AssertionError, match=r"\['dp'\] is .*, expected .*reduce-scatter plus an all-gather"):
+        K.check_comm_bytes_per_layer(lambda *a, **k: _comm_bytes(*a, **k, dp_phases=1))
+    with pytest.raises(AssertionError, match=r"\['dp'\] is .*one TP shard"):
+        K.check_comm_bytes_per_layer(lambda *a, **k: _comm_bytes(*a, **k, dp_shard=False))
+    with pytest.raises(
+        AssertionError, match=r"tp=1, dp=1, itemsize=2\)\['tp'\] is .*each rank sends \(t-1\)/t"
+    ):
+        K.check_comm_bytes_per_layer(lambda *a, **k: _comm_bytes(*a, **k, tp_share=False))
+    with pytest.raises(AssertionError, match="keys 'tp' and 'dp'"):
+        K.check_comm_bytes_per_layer(lambda *a, **k: 0)
+    with pytest.raises(NotImplementedError):
+        K.check_comm_bytes_per_layer(lambda *a, **k: (_ for _ in ()).throw(NotImplementedError("exercise 2")))
+    with pytest.raises(TypeError, match="must be a function"):
+        K.check_mesh_groups(42)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from collections.abc import Callable
@@ -43,6 +44,11 @@ def run_from_env(
     if backend == "auto":
         backend = "nccl" if mesh.gpu_count() >= local_world and mesh.default_backend() == "nccl" else "gloo"
     torch.set_num_threads(max(1, mesh.cpu_cores() // local_world))
+    # torch._dynamo (imported by the first optimizer a script builds) keeps a reference to a process
+    # group that exists when it is imported, so destroy_process_group no longer joins gloo's worker
+    # threads; one of them then frees a finished op's tensors during interpreter shutdown and the
+    # rank aborts ("terminate called without an active exception"). Imported first, it holds none.
+    importlib.import_module("torch._dynamo")
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     # Align clocks: every rank leaves the barrier at (nearly) the same moment.
     dist.barrier()

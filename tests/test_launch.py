@@ -232,6 +232,35 @@ def test_torchrun_script_writes_loadable_trace(tmp_path):
     assert pl.launch(tour_steps, 2).values == res.values
 
 
+_NO_THREADS_LEFT = """
+import os, torch
+from parallel_lab.from_env import run_from_env
+
+def build_optimizer(ctx):  # the first optimizer imports torch._dynamo
+    torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])
+    return ctx.rank
+
+run_from_env(build_optimizer)
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("gloo threads left:", sorted(n for n in names if "gloo" in n))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from /proc (Linux)")
+def test_torchrun_rank_leaves_no_gloo_thread_behind(tmp_path):
+    """A gloo worker thread alive at interpreter shutdown can free a finished op's tensors after
+    Python is gone and abort the rank (SIGABRT after the script's last line). run_from_env must
+    leave none, even when the function imported torch._dynamo while the process group existed."""
+    script = tmp_path / "threads.py"
+    script.write_text(_NO_THREADS_LEFT)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    r = _run(
+        [torchrun, "--nproc-per-node", "2", str(script)], env={"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("gloo threads left: []") == 2, r.stdout
+
+
 def test_accelerate_launch_with_cpu_config(tmp_path):
     trace = str(tmp_path / "tour.json")
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")

@@ -76,6 +76,31 @@ def test_validator_and_simulator_at_scale(name, p, m, v):
     assert sim.bubble_fraction == pytest.approx(pipeline_bubble_fraction(p, m, v), abs=1e-12)
 
 
+def _sampled_grid(n: int, seed: int = 0):
+    """A seeded sample over the whole range the lesson promises: p <= 64, m <= 256, v <= 4."""
+    rng = np.random.default_rng(seed)
+    yield "interleaved", 64, 256, 4  # the largest case, and the slowest to validate
+    for _ in range(n):
+        name = ["gpipe", "1f1b", "interleaved"][rng.integers(3)]
+        p = int(rng.integers(1, 65))
+        if name == "interleaved":  # interleaving needs m to be a multiple of p
+            yield name, p, p * int(rng.integers(1, 256 // p + 1)), int(rng.integers(2, 5))
+        else:
+            yield name, p, int(rng.integers(1, 257)), 1
+
+
+def test_validator_on_a_sample_of_the_whole_range():
+    """Every send paired, F before B, no deadlock and the in-flight bound reached, on 25 random
+    (p, m, v) with p <= 64, m <= 256, v <= 4 (about 12 s: each is validated step by step)."""
+    seen = set()
+    for name, p, m, v in _sampled_grid(24):
+        bound = max_in_flight(name, p, m, v)
+        info = validate_schedule(make_schedule(name, p, m, v), m, v, bound)
+        assert max(info["peak_in_flight"]) == bound, (name, p, m, v)
+        seen.add(name)
+    assert seen == {"gpipe", "1f1b", "interleaved"}
+
+
 def test_simulator_is_fast_at_p64_m256_v4():
     import time
 

@@ -1,9 +1,10 @@
 """Lesson scripts under the two launchers people use: torchrun and accelerate launch.
 
 Each run is a real multi-process job (every rank imports torch), so this file keeps one run per
-script that other test files do not already cover: ddp, pipeline and three_d under torchrun, and
-one accelerate launch of a training script with the shipped CPU config. Each script checks its own
-result against single-process training and says so on stdout; the trace it writes must load.
+script and launcher that other test files do not already cover: ddp, zero --offload, pipeline,
+three_d and moe under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks), mixed_precision and moe under
+accelerate launch with the shipped CPU config. Each script checks its own result against
+single-process training and says so on stdout; the trace it writes must load.
 """
 
 from __future__ import annotations
@@ -42,20 +43,55 @@ CASES = {
     ),
     "three_d-1x2x2": (
         4,
-        [
-            "parallel_lab.scripts.three_d",
-            "--dp",
-            "1",
-            "--tp",
-            "2",
-            "--pp",
-            "2",
-            "--steps",
-            "2",
-            "--no-memory",
-        ],
+        "parallel_lab.scripts.three_d --dp 1 --tp 2 --pp 2 --steps 2 --no-memory".split(),
         "matches single-process training",
         set(),
+    ),
+    "zero-offload": (
+        2,
+        ["parallel_lab.scripts.zero", "--offload", "--steps", "2", "--d-model", "32", "--layers", "2"],
+        "identical weights on every rank; bytes equal the formulas",
+        {"host Adam", "D2H grads"},
+    ),
+    "moe-expert-parallel": (
+        4,
+        ["parallel_lab.scripts.moe", "--steps", "1", "--tokens", "16"],
+        "expert parallel matches the single-process layer",
+        {"moe_dispatch", "moe_combine"},
+    ),
+}
+
+ACCELERATE_CASES = {
+    # id: (processes, script args, line the script prints when it matches its reference)
+    "ddp-ring": (
+        2,
+        ["parallel_lab.scripts.ddp", "--variant", "ddp", "--comm", "ring", "--steps", "2"],
+        "identical weights on every rank: True",
+    ),
+    "zero-stage1-mixed": (
+        2,
+        "parallel_lab.scripts.zero --stage 1 --precision mixed --steps 2 --d-model 32 --layers 2".split(),
+        "identical weights on every rank; bytes equal the formulas",
+    ),
+    "tensor_parallel-sp": (
+        2,
+        ["parallel_lab.scripts.tensor_parallel", "--sequence-parallel", "--seq", "8", "--d-model", "32"],
+        "matches the single-process model",
+    ),
+    "three_d-2x2x2": (
+        8,
+        "parallel_lab.scripts.three_d --dp 2 --tp 2 --pp 2 --steps 2 --no-memory".split(),
+        "matches single-process training",
+    ),
+    "mixed_precision-overflow": (
+        2,
+        ["parallel_lab.scripts.mixed_precision", "--steps", "4", "--overflow-at", "2"],
+        "same scale: True; identical weights: True",
+    ),
+    "moe-expert-parallel": (
+        2,
+        ["parallel_lab.scripts.moe", "--steps", "1", "--tokens", "16"],
+        "expert parallel matches the single-process layer",
     ),
 }
 
@@ -76,13 +112,31 @@ def test_script_under_torchrun(case, tmp_path):
     assert res.comm_bytes, "no communication was counted"
 
 
+def _accelerate(ranks: int, args: list[str], trace: Path) -> subprocess.CompletedProcess:
+    cfg = REPO / "parallel_lab" / "configs" / "accelerate_cpu.yaml"
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(cfg), "--num_processes", str(ranks), "-m",
+           *args, "--trace", str(trace)]  # fmt: skip
+    return _run(cmd)
+
+
 @pytest.mark.slow
 def test_pipeline_under_accelerate_launch(tmp_path):
     trace = tmp_path / "trace.json"
-    cfg = REPO / "parallel_lab" / "configs" / "accelerate_cpu.yaml"
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(cfg), "--num_processes", "2", "-m",
-           "parallel_lab.scripts.pipeline", "--schedule", "1f1b", "--steps", "2", "--trace", str(trace)]  # fmt: skip
-    out = _run(cmd)
+    out = _accelerate(2, ["parallel_lab.scripts.pipeline", "--schedule", "1f1b", "--steps", "2"], trace)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "losses match single-process training" in out.stdout
     assert RunResult.load(str(trace)).world_size == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(ACCELERATE_CASES))
+def test_script_under_accelerate_launch(case, tmp_path):
+    ranks, args, ok_line = ACCELERATE_CASES[case]
+    trace = tmp_path / "trace.json"
+    out = _accelerate(ranks, args, trace)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert ok_line in out.stdout, out.stdout
+    res = RunResult.load(str(trace))
+    assert res.world_size == ranks and res.backend == "gloo"
+    assert {e["rank"] for e in res.timeline} == set(range(ranks))
+    assert res.comm_bytes, "no communication was counted"

@@ -1,0 +1,257 @@
+"""The graders of lessons 03, 06, 07, 09, 11 and 12 reject wrong answers, and say what went wrong.
+
+A check that every solution passes proves nothing unless it also fails the usual slips. Each
+test here feeds one check a right answer (the lab's own implementation, where its signature
+fits) and one or more plausible wrong ones, and asserts the AssertionError names the mistake.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel_lab.checkpointing import checkpoint_sequential
+from parallel_lab.checks.checkpointing import check_checkpoint_sequential, check_recompute
+from parallel_lab.checks.data_parallel import check_assign_buckets, check_average_gradients
+from parallel_lab.checks.moe import check_top_k_router
+from parallel_lab.checks.pipeline import check_bubble_fraction, check_one_f_one_b
+from parallel_lab.checks.precision import check_master_weight_step, check_update_scale
+from parallel_lab.checks.quantization import check_int8_matmul, check_quantize_absmax
+from parallel_lab.costmodel import pipeline_bubble_fraction
+from parallel_lab.ddp import assign_buckets
+from parallel_lab.pipeline import order_1f1b
+from parallel_lab.quantization import dequantize, int8_matmul, quantize_absmax
+
+
+# ----------------------------------------------------------------------------- lesson 06
+def _update_scale(scale, tracker, found_inf, growth, backoff, interval, *, keep_tracker_on_inf=False):
+    if found_inf:
+        return scale * backoff, (tracker if keep_tracker_on_inf else 0)
+    tracker += 1
+    if tracker == interval:
+        grown = scale * growth
+        return (grown if grown <= torch.finfo(torch.float32).max else scale), 0
+    return scale, tracker
+
+
+def test_update_scale_check(capsys):
+    check_update_scale(_update_scale)
+    assert "check_update_scale passed" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="restarts at 0"):
+        check_update_scale(lambda *a: _update_scale(*a, keep_tracker_on_inf=True))
+    with pytest.raises(AssertionError, match="expected \\(scale, growth_tracker\\)"):
+        # grows one step late: compares before counting the clean step
+        check_update_scale(
+            lambda s, t, f, g, b, i: (s * b, 0) if f else ((s * g, 0) if t == i else (s, t + 1))
+        )
+    with pytest.raises(AssertionError, match="beyond fp32"):
+        check_update_scale(
+            lambda s, t, f, g, b, i: (s * b, 0) if f else ((s * g, 0) if t + 1 == i else (s, t + 1))
+        )
+
+
+def _master_step(params, masters, optimizer, scale, *, unscale=True, skip=True, copy_back=True):
+    for p, m in zip(params, masters):
+        m.grad = p.grad.float() / (scale if unscale else 1.0)
+    if skip and not all(torch.isfinite(m.grad).all() for m in masters):
+        for m in masters:
+            m.grad = None
+        return False
+    optimizer.step()
+    if copy_back:
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    return True
+
+
+def test_master_weight_step_check(capsys):
+    check_master_weight_step(_master_step)
+    assert "check_master_weight_step passed" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="divide the gradient"):
+        check_master_weight_step(lambda *a: _master_step(*a, unscale=False))
+    with pytest.raises(AssertionError, match="must be skipped"):
+        check_master_weight_step(lambda *a: _master_step(*a, skip=False))
+    with pytest.raises(AssertionError, match="rounded to"):
+        check_master_weight_step(lambda *a: _master_step(*a, copy_back=False))
+
+
+# ----------------------------------------------------------------------------- lesson 07
+class _KeepsEverything(torch.autograd.Function):
+    """Looks like a checkpoint, but runs the block with grad on: autograd keeps every activation."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run = run
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            ctx.y = run(xd)
+            ctx.x = xd
+        return ctx.y.detach()
+
+    @staticmethod
+    def backward(ctx, gy):
+        torch.autograd.backward(ctx.y, gy)
+        return None, ctx.x.grad
+
+
+class _Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            y = ctx.run(xd)
+        torch.autograd.backward(y, gy)
+        return None, xd.grad
+
+
+def test_recompute_check(capsys):
+    check_recompute(_Recompute)
+    assert "check_recompute passed" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="keeps exactly 1"):
+        check_recompute(_KeepsEverything)
+
+
+def test_checkpoint_sequential_check(capsys):
+    check_checkpoint_sequential(
+        lambda blocks, segments, x: checkpoint_sequential(blocks, segments, x, checkpoint_last=True)
+    )
+    assert "check_checkpoint_sequential passed" in capsys.readouterr().out
+    with pytest.raises(AssertionError):  # torch's default keeps the last segment's activations
+        check_checkpoint_sequential(lambda blocks, segments, x: checkpoint_sequential(blocks, segments, x))
+    with pytest.raises(AssertionError):  # no checkpointing at all
+        check_checkpoint_sequential(lambda blocks, segments, x: blocks(x))
+
+
+# ----------------------------------------------------------------------------- lesson 09
+def test_one_f_one_b_check(capsys):
+    check_one_f_one_b(order_1f1b)
+    assert "check_one_f_one_b passed" in capsys.readouterr().out
+    gpipe = lambda s, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    with pytest.raises(AssertionError, match="warms up with min"):
+        check_one_f_one_b(gpipe)
+
+    # a warm-up of p - s + 1 forwards before the first backward (one more than 1F1B's p - s)
+    def off_by_one(s, p, m):
+        warm = min(p - s + 1, m)
+        out = [("F", i) for i in range(warm)]
+        f, b = warm, 0
+        while b < m:
+            out.append(("B", b))
+            b += 1
+            if f < m:
+                out.append(("F", f))
+                f += 1
+        return out
+
+    with pytest.raises(AssertionError, match="first difference"):
+        check_one_f_one_b(off_by_one)
+    with pytest.raises(AssertionError, match="each step is"):
+        check_one_f_one_b(lambda s, p, m: [("X", 0)])
+
+
+def test_bubble_fraction_check(capsys):
+    check_bubble_fraction(pipeline_bubble_fraction)
+    assert "check_bubble_fraction passed" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="bubble shrinks by v"):
+        check_bubble_fraction(lambda p, m, v: (p - 1) / (m + p - 1))
+    with pytest.raises(AssertionError, match="bubble-to-compute"):
+        check_bubble_fraction(lambda p, m, v: (p - 1) / (v * m))
+    with pytest.raises(AssertionError, match="must return a number"):
+        check_bubble_fraction(lambda p, m, v: str((p - 1) / (v * m + p - 1)))
+
+
+# ----------------------------------------------------------------------------- lesson 11
+def _route(probs, k, capacity, *, choice_major=True):
+    n, E = probs.shape
+    experts = probs.topk(k, dim=-1).indices  # (N, k)
+    slots = torch.full((n, k), -1, dtype=torch.long)
+    fill = [0] * E
+    order = (
+        [(t, j) for j in range(k) for t in range(n)]
+        if choice_major
+        else [(t, j) for t in range(n) for j in range(k)]
+    )
+    for t, j in order:
+        e = int(experts[t, j])
+        if fill[e] < capacity:
+            slots[t, j] = fill[e]
+            fill[e] += 1
+    return experts, slots
+
+
+def test_top_k_router_check(capsys):
+    check_top_k_router(_route)
+    assert "check_top_k_router passed" in capsys.readouterr().out
+    with pytest.raises(AssertionError):  # token-major: a token's second choice jumps the queue
+        check_top_k_router(lambda p, k, c: _route(p, k, c, choice_major=False))
+    with pytest.raises(AssertionError):  # capacity ignored: nothing dropped
+        check_top_k_router(lambda p, k, c: _route(p, k, 10**6))
+
+
+# ----------------------------------------------------------------------------- lesson 12
+def test_quantize_absmax_check(capsys):
+    check_quantize_absmax(quantize_absmax, dequantize)
+    assert "check_quantize_absmax passed" in capsys.readouterr().out
+
+    def truncates(x):  # rounds toward zero instead of to nearest
+        scale = x.abs().max() / 127
+        return (x / scale).trunc().to(torch.int8), scale
+
+    def scale_255(x):  # an asymmetric range's scale on a symmetric quantizer
+        scale = x.abs().max() / 255
+        return (x / scale).round().clamp(-128, 127).to(torch.int8), scale
+
+    for wrong in (truncates, scale_255):
+        with pytest.raises(AssertionError):
+            check_quantize_absmax(wrong, dequantize)
+
+
+def test_int8_matmul_check(capsys):
+    check_int8_matmul(int8_matmul)
+    assert "check_int8_matmul passed" in capsys.readouterr().out
+
+    def int8_accumulator(qa, sa, qb, sb):  # wraps around long before the sum is done
+        return (qa.to(torch.int32) @ qb.to(torch.int32)).to(torch.int8).float() * (sa * sb)
+
+    def one_scale(qa, sa, qb, sb):
+        return (qa.to(torch.int32) @ qb.to(torch.int32)).float() * sa
+
+    for wrong in (int8_accumulator, one_scale):
+        with pytest.raises(AssertionError):
+            check_int8_matmul(wrong)
+
+
+# ----------------------------------------------------------------------------- lesson 03
+def _sum_gradients(ctx, model):  # forgets to divide by the world size
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+
+
+def test_average_gradients_check_rejects_a_sum():
+    with pytest.raises(AssertionError, match="divide by world_size"):
+        check_average_gradients(_sum_gradients)
+    with pytest.raises(AssertionError, match="differs from the whole batch.s gradient"):
+        check_average_gradients(lambda ctx, model: None)
+
+
+def test_assign_buckets_check(capsys):
+    check_assign_buckets(assign_buckets)
+    assert "check_assign_buckets passed" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="reverse registration"):  # forward order
+        check_assign_buckets(lambda ps, b: [list(reversed(x)) for x in reversed(assign_buckets(ps, b))])
+    with pytest.raises(AssertionError, match="leave frozen parameters out"):
+        check_assign_buckets(lambda ps, b: [list(reversed(ps))])
+    with pytest.raises(AssertionError, match="buckets of sizes"):
+        check_assign_buckets(lambda ps, b: [[p for bucket in assign_buckets(ps, b) for p in bucket]])

@@ -253,6 +253,13 @@ def test_parity_five_ranks_fp32_fp16():
     _check(launch(_parity, 5, [3, 21], (torch.float32, torch.float16), timeout=120))
 
 
+@pytest.mark.parametrize("p", [6, 7])
+def test_parity_six_and_seven_ranks(p):
+    # world sizes that are neither a power of two nor prime (6) and prime (7): the tree has
+    # incomplete levels, every ring chunk split is uneven for these sizes
+    _check(launch(_parity, p, [2, 4 * p + 3], (torch.float64, torch.bfloat16), timeout=180))
+
+
 def _big(ctx) -> list[str]:
     n = 1_000_003  # > 1M, and n % 3 = 1: uneven chunks
     x = _data(ctx.rank, n, torch.float32, False)
@@ -269,6 +276,28 @@ def _big(ctx) -> list[str]:
     want = C.ring_bytes_per_rank(n, ctx.world_size, 4, "all_reduce")[ctx.rank]
     if (sent, recv) != (2 * want[0], 2 * want[1]):
         bad.append(f"bytes {(sent, recv)} != 2 x {want}")
+    # the other from-scratch collectives at the same size
+    p, r = ctx.world_size, ctx.rank
+    sizes = C.chunk_sizes(n, p)
+    rs = C.ring_reduce_scatter(ctx, x)
+    want_rs = torch.empty(sizes[r])
+    dist.reduce_scatter(want_rs, list(x.split(sizes)))
+    if not bool(((rs.double() - want_rs.double()).abs() <= tol.split(sizes)[r]).all()):
+        bad.append("ring_reduce_scatter differs from dist.reduce_scatter")
+    parts = [torch.empty_like(x) for _ in range(p)]
+    dist.all_gather(parts, x)
+    if not torch.equal(C.ring_all_gather(ctx, x), torch.stack(parts)):
+        bad.append("ring_all_gather differs from dist.all_gather")
+    src = x.clone()
+    dist.broadcast(src, src=p - 1)
+    if not torch.equal(C.tree_broadcast(ctx, x.clone(), src=p - 1), src):
+        bad.append("tree_broadcast differs from dist.broadcast")
+    pieces = list(x[: n // p * p].chunk(p))  # all_to_all takes equal pieces
+    got = C.all_to_all(ctx, pieces)
+    want_a2a = [torch.empty_like(c) for c in pieces]
+    dist.all_to_all(want_a2a, [c.clone() for c in pieces])
+    if not all(torch.equal(a, b) for a, b in zip(got, want_a2a)):
+        bad.append("all_to_all differs from dist.all_to_all")
     return bad
 
 
@@ -399,12 +428,20 @@ def _mismatch(ctx, fn_name, what):
     n = 8 + (1 if (what == "numel" and ctx.rank == 1) else 0)
     dtype = torch.float64 if (what == "dtype" and ctx.rank == 1) else torch.float32
     x = torch.ones(n, dtype=dtype)
-    getattr(C, fn_name)(ctx, x)
+    getattr(C, fn_name)(ctx, [x] * ctx.world_size if fn_name == "all_to_all" else x)
 
 
 @pytest.mark.parametrize(
     "fn_name,what",
-    [("ring_all_reduce", "numel"), ("ring_all_gather", "dtype"), ("dist_all_reduce", "numel")],
+    [
+        ("ring_all_reduce", "numel"),
+        ("ring_all_gather", "dtype"),
+        ("dist_all_reduce", "numel"),
+        ("ring_reduce_scatter", "numel"),
+        ("tree_broadcast", "dtype"),
+        ("tree_reduce", "numel"),
+        ("all_to_all", "numel"),
+    ],
 )
 def test_mismatched_shapes_are_a_clear_error(fn_name, what):
     with pytest.raises(RankError) as info:
@@ -607,3 +644,19 @@ def test_receive_buffers_count_as_comm_memory():
     peaks = launch(_peak_after_tree, 2, track_memory=True).values
     assert peaks[0]["comm"] >= 40_000  # rank 0 is the root: it receives into a buffer
     assert peaks[1]["comm"] == 0  # rank 1 only sends up and receives in place
+
+
+def test_script_under_accelerate_with_use_cpu(tmp_path):
+    """The README's other CPU form: no config file, ACCELERATE_USE_CPU=true and --multi_gpu, so
+    accelerate starts N gloo processes (its --cpu flag alone would start one)."""
+    trace = tmp_path / "collectives.json"
+    accelerate = Path(sys.executable).with_name("accelerate")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "4",  # exactly the README's command
+           "-m", "parallel_lab.scripts.collectives", "--trace", str(trace)]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "all collectives match torch.distributed" in out.stdout
+    res = RunResult.load(str(trace))
+    assert res.world_size == 4 and res.backend == "gloo"
+    assert {e["rank"] for e in res.timeline} == {0, 1, 2, 3}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+import re
 import subprocess
 import sys
 
@@ -329,3 +330,16 @@ def test_cli_doctor_and_lessons(tmp_path, repo):
     cmd = [sys.executable, "-m", "parallel_lab", "--root", str(tmp_path), "lessons"]
     lessons = subprocess.run(cmd, capture_output=True, text=True)
     assert lessons.returncode == 0 and "05_offload.ipynb" in lessons.stdout and "05 Offload" in lessons.stdout
+
+
+def test_cli_grades_the_real_lesson_01_exercise_and_solution(repo):
+    """The README's command on the shipped files: the untouched exercise fails on every check with
+    'not implemented', the solution (the same checks, taken from solutions/) passes them all."""
+    cli = [sys.executable, "-m", "parallel_lab", "grade"]
+    todo = subprocess.run([*cli, "exercises/01_collectives.ipynb"], capture_output=True, text=True, cwd=repo)
+    assert todo.returncode == 1, todo.stdout + todo.stderr
+    rows = [line for line in todo.stdout.splitlines() if re.match(r"\s*\d+\s+check_", line)]
+    assert len(rows) >= 2 and all("not implemented" in line for line in rows), todo.stdout
+    done = subprocess.run([*cli, "solutions/01_collectives.ipynb"], capture_output=True, text=True, cwd=repo)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{len(rows)} checks: {len(rows)} passed" in done.stdout, done.stdout

@@ -15,7 +15,7 @@ Tolerances. The parity runs are float64: the only difference from the reference 
 the order of floating-point sums (across ranks, and inside the matmuls of a smaller
 batch), ~1e-16 relative per add; five Adam steps divide by sqrt(v) and can amplify
 the relative error of a near-zero gradient, and the largest difference seen is
-~4e-14. ATOL = 1e-10 leaves four orders of margin, while every real bug tried (a
+~4e-14. ATOL = 1e-12 leaves 25x margin over that, while every real bug tried (a
 missing 1/N, a bucket never reduced, an accumulation step synced twice) is off by
 1e-4 or more. The float32 run states its own tolerance.
 """

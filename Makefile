@@ -46,9 +46,14 @@ notebooks: setup
 exercises: setup
 	$(PY) tools/make_exercises.py
 
+# Ratios against the torch built-ins, each measured in one run (minutes on a laptop; run it idle).
 bench: setup
 	$(PY) benchmarks/launch.py
 	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/memory_overhead.py
+	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/zero.py
+	$(PY) benchmarks/tensor_parallel.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

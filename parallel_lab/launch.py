@@ -59,18 +59,26 @@ def _check_args(fn, world_size, timeout, backend, start_method, threads) -> None
 
 # ---------------------------------------------------------------------------- the rank side
 class _QueueWriter:
-    """stdout/stderr of a rank, forwarded to the parent so prints land in the notebook cell."""
+    """stdout/stderr of a rank, forwarded to the parent so prints land in the notebook cell.
+
+    Line-buffered: `print(a, b)` is several writes, and sent one by one they would interleave
+    with another rank's line in the parent. Whole lines are sent as one message each."""
 
     def __init__(self, q, stream: str, rank: int):
         self.q, self.stream, self.rank = q, stream, rank
+        self._pending = ""
 
     def write(self, s: str) -> int:
-        if s:
-            self.q.put(("text", {"rank": self.rank, "stream": self.stream, "text": s}))
+        self._pending += s
+        if "\n" in self._pending:
+            lines, _, self._pending = self._pending.rpartition("\n")
+            self.q.put(("text", {"rank": self.rank, "stream": self.stream, "text": lines + "\n"}))
         return len(s)
 
     def flush(self) -> None:
-        pass
+        if self._pending:
+            self.q.put(("text", {"rank": self.rank, "stream": self.stream, "text": self._pending}))
+            self._pending = ""
 
     def isatty(self) -> bool:
         return False
@@ -138,6 +146,11 @@ def _worker(
         except Exception:
             pass
         code = 1
+    for w in (sys.stdout, sys.stderr):
+        try:
+            w.flush()
+        except Exception:
+            pass
     q.close()
     q.join_thread()
     os._exit(code)  # skip the parent's atexit handlers (a forked notebook kernel has many)
@@ -233,7 +246,9 @@ def launch(
         for p in procs:
             p.start()
         deadline = t0 + timeout
-        dead_since: dict[int, float] = {}
+        # A rank puts its last message and flushes the queue before it exits, so once a rank is
+        # seen dead, the next empty drain proves it said nothing more: no grace period to guess.
+        seen_dead: set[int] = set()
         while len(values) < world_size:
             batch = _drain(q)
             for what, msg in batch:
@@ -254,16 +269,13 @@ def launch(
                     values[msg["rank"]] = pickle.loads(msg["value"])
                     comm[msg["rank"]] = msg["comm"]
                 elif what == "error":
-                    raise _root_cause(msg, q, procs)
+                    raise _root_cause(msg, q, procs, set(values))
             now = time.perf_counter()
             if not batch:
-                for r, p in enumerate(procs):
-                    if r in values or p.is_alive():
-                        continue
-                    # A rank that exited without a word: give its last messages 1 s to arrive.
-                    if now - dead_since.setdefault(r, now) > 1.0 or p.exitcode not in (0, 1):
-                        raise RankError(r, "ProcessDied", f"exited with code {p.exitcode} without returning",
-                                        "(no Python traceback: the process was killed or crashed)")  # fmt: skip
+                for r in seen_dead - set(values):  # dead at the previous drain, silent since
+                    raise RankError(r, "ProcessDied", f"exited with code {procs[r].exitcode} without returning",
+                                    "(no Python traceback: the process was killed or crashed)")  # fmt: skip
+                seen_dead = {r for r, p in enumerate(procs) if r not in values and not p.is_alive()}
             if now > deadline:
                 stuck = {r: last_op[r] for r in range(world_size) if r not in values}
                 raise LaunchTimeout(timeout, stuck, starting=set(stuck) - ready)

@@ -7,6 +7,7 @@ Invariant: `_reap` returns only when every rank process has exited (killed if ne
 from __future__ import annotations
 
 import queue
+import sys
 import time
 
 from .context import RankError
@@ -32,23 +33,41 @@ def _drain(q, wait: float = 0.05, limit: int = 10_000) -> list:
 _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
 
 
-def _root_cause(first: dict, q, procs) -> RankError:
+def _root_cause(first: dict, q, procs, returned: set[int]) -> RankError:
     """When one rank fails its peers soon fail too ("connection reset"): blame the rank that
-    failed first for a real reason, preferring one that died outright or raised a non-network error."""
+    failed first for a real reason.
+
+    A rank that died without a word (killed, crashed, or `os._exit` with any code) is the cause
+    whatever its peers report: every rank sends its result or its error before it exits, so a
+    dead rank missing from both, once the queue is drained, never spoke. Otherwise prefer an
+    error that is not a peer's broken connection; the first such error came first in the queue
+    (a rank's message is flushed before its exit closes the sockets its peers then see fail)."""
     errors = [first]
-    end = time.perf_counter() + 0.3
-    while time.perf_counter() < end:
-        try:
-            what, msg = q.get(timeout=0.05)
-        except queue.Empty:
-            continue
+    reported = set(returned) | {first["rank"]}
+
+    def take(what: str, msg: dict) -> None:
         if what == "error":
             errors.append(msg)
-    reported = {e["rank"] for e in errors}
-    for r, p in enumerate(procs):
-        if r not in reported and not p.is_alive() and p.exitcode not in (0, 1, None):
-            return RankError(r, "ProcessDied", f"exited with code {p.exitcode} without returning",
-                             "(no Python traceback: the process was killed or crashed)")  # fmt: skip
+            reported.add(msg["rank"])
+        elif what == "result":
+            reported.add(msg["rank"])
+        elif what == "text":  # a failing rank's last prints still reach the cell
+            (sys.stdout if msg["stream"] == "stdout" else sys.stderr).write(msg["text"])
+
+    end = time.perf_counter() + 0.3  # the peers' own errors, to choose among
+    while time.perf_counter() < end:
+        try:
+            take(*q.get(timeout=0.05))
+        except queue.Empty:
+            continue
+    dead = {r for r, p in enumerate(procs) if p.pid is not None and not p.is_alive()} - reported
+    for what, msg in _drain(q, wait=0.0):  # whatever a dead rank said is in the pipe by now
+        take(what, msg)
+    silent = sorted(dead - reported)
+    if silent:
+        r = silent[0]
+        return RankError(r, "ProcessDied", f"exited with code {procs[r].exitcode} without returning",
+                         "(no Python traceback: the process was killed, crashed or called os._exit)")  # fmt: skip
     real = [e for e in errors if not any(s in e["message"] for s in _SECONDARY)]
     e = (real or errors)[0]
     return RankError(e["rank"], e["type"], e["message"], e["traceback"])

@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,7 +39,6 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--disable-quic",
 ]
-SCREENSHOT = Path("/tmp/parallel_lab_browser.png")
 RUN_TIMEOUT_S = 420
 # Lab settings for a deterministic page: every cell attached to the DOM (no virtual scrolling that
 # would leave off-screen figures unrendered), no autosave, no news fetched from the network.
@@ -91,12 +89,6 @@ ERRORS = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"]'
 STDERR = '.jp-RenderedText[data-mime-type="application/vnd.jupyter.stderr"]'
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, method: str = "GET") -> bytes:
     with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=5) as r:
         return r.read()
@@ -105,13 +97,14 @@ def _get(url: str, method: str = "GET") -> bytes:
 @contextlib.contextmanager
 def jupyter_lab(root: Path, home: Path):
     """JupyterLab serving `root`; yields (base_url, token); always stops the server and its kernels."""
-    token, port = secrets.token_hex(16), _free_port()
+    token = secrets.token_hex(16)
     for name, value in LAB_SETTINGS.items():
         (home / "settings" / name).parent.mkdir(parents=True, exist_ok=True)
         (home / "settings" / name).write_text(json.dumps(value))
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+    runtime = home / "runtime"
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(runtime))
     cmd = [
-        sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+        sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", "--port=0",
         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", "--ServerApp.allow_root=True", f"--ServerApp.root_dir={root}",
         "--ServerApp.open_browser=False", "--LabApp.expose_app_in_browser=True",
         f"--LabApp.user_settings_dir={home / 'settings'}", f"--LabApp.workspaces_dir={home / 'workspaces'}",
@@ -119,14 +112,18 @@ def jupyter_lab(root: Path, home: Path):
     log_path = home / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    # Port 0: the server binds a port the kernel picks and writes it to its info file (a port
+    # chosen here and bound later by the server could be taken in between).
+    base = ""
     children: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 90
         while True:
             if server.poll() is not None:
                 pytest.fail(f"JupyterLab exited with {server.returncode}:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(OSError):
+            info = runtime / f"jpserver-{server.pid}.json"
+            with contextlib.suppress(OSError, ValueError):
+                base = f"http://127.0.0.1:{json.loads(info.read_text())['port']}"
                 _get(f"{base}/api/status?token={token}")
                 break
             if time.monotonic() > deadline:
@@ -154,7 +151,7 @@ def jupyter_lab(root: Path, home: Path):
         psutil.wait_procs(alive, timeout=10)
 
 
-def run_in_browser(base: str, token: str, notebook: str) -> dict:
+def run_in_browser(base: str, token: str, notebook: str, shots: Path) -> dict:
     """Open `notebook`, clear outputs, run all cells, wait; returns what rendered (and takes screenshots)."""
     from playwright.sync_api import sync_playwright
 
@@ -189,11 +186,9 @@ def run_in_browser(base: str, token: str, notebook: str) -> dict:
                 if page.locator(sel).count():
                     page.locator(sel).first.scroll_into_view_if_needed()
                     break
-            page.screenshot(path=str(SCREENSHOT))
+            page.screenshot(path=str(shots / "page.png"))
             if page.locator(IMAGES).count():
-                page.locator(IMAGES).first.screenshot(
-                    path=str(SCREENSHOT.with_name("parallel_lab_figure.png"))
-                )
+                page.locator(IMAGES).first.screenshot(path=str(shots / "figure.png"))
             return {
                 "cells": page.evaluate(JS_CELLS),
                 "images": page.locator(IMAGES).count(),
@@ -242,8 +237,8 @@ def test_tour_runs_in_jupyterlab_with_figures_and_widgets(tmp_path):
     (root / "runs").mkdir()
     (tmp_path / "home").mkdir()
     with jupyter_lab(root, tmp_path / "home") as (base, token):
-        seen = run_in_browser(base, token, NOTEBOOK)
-    print(f"ran in {seen['seconds']:.1f} s; per cell (JupyterLab's recorded timing):")
+        seen = run_in_browser(base, token, NOTEBOOK, tmp_path)
+    print(f"screenshots in {tmp_path}; ran in {seen['seconds']:.1f} s; per cell (JupyterLab's timing):")
     for c in seen["cells"]:
         print(f"  {_cell_seconds(c.get('timing')):6.1f} s  {c['head']}")
     assert source.read_bytes() == before, f"{NOTEBOOK} changed on disk"

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from parallel_lab import launch
 from parallel_lab.data_parallel import AllReduceDP, shard_batch, train_step
-from parallel_lab.ddp import BucketedDDP
+from parallel_lab.data_parallel.ddp import BucketedDDP
 from parallel_lab.models import GPTConfig, build_model, make_optimizer, synthetic_batch
-from parallel_lab.overlap import LayerTimer, comm_hidden_fraction
+from parallel_lab.runtime.overlap import LayerTimer, comm_hidden_fraction
 from parallel_lab.scripts.ddp import traced_allreduce_hook
 
 NAMES = ("ours", "torch", "naive")

@@ -1,4 +1,4 @@
-"""Launch + teardown of a trivial 4-rank function: parallel_lab.launch vs torchrun.
+"""Launch + teardown of a trivial 4-rank function: parallel_lab.runtime.launch vs torchrun.
 
 Both run the same function (one all-reduce of a small tensor). launch() forks
 ranks from a process that already imported torch; torchrun starts fresh
@@ -55,7 +55,7 @@ def main() -> None:
         theirs.append(time.perf_counter() - t)
     m_ours, m_theirs = statistics.median(ours), statistics.median(theirs)
     print(f"{a.ranks}-rank trivial launch + teardown, median of {a.repeats} / {a.torchrun_repeats} runs")
-    print(f"  parallel_lab.launch : {m_ours:8.3f} s")
+    print(f"  parallel_lab.runtime.launch : {m_ours:8.3f} s")
     print(f"  torchrun            : {m_theirs:8.3f} s")
     print(f"  speed-up            : {m_theirs / m_ours:8.1f}x  (launch time ratio torchrun / launch)")
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel_lab.memory import MemoryTracker
 from parallel_lab.models import TinyMLP
+from parallel_lab.runtime.memory import MemoryTracker
 
 
 class _EmptyMode(TorchDispatchMode):

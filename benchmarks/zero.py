@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from parallel_lab import launch
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
-from parallel_lab.zero3 import Zero3
+from parallel_lab.zero.stage3 import Zero3
 
 
 def run(ctx, d_model: int, layers: int, batch: int, seq: int, rounds: int) -> dict:

@@ -24,7 +24,7 @@ def doctor(args: argparse.Namespace) -> int:
     """What launch() will use here, and whether the notebook tooling is in place."""
     import torch
 
-    from . import mesh
+    from parallel_lab.runtime import device as mesh
 
     gpus = mesh.gpu_names()
     backend = mesh.default_backend()  # what launch(backend="auto") picks for a world that fits the GPUs
@@ -80,7 +80,7 @@ def lessons(args: argparse.Namespace) -> int:
 
 def grade(args: argparse.Namespace) -> int:
     """Grade each notebook; exit 0 only when every check of every notebook passes."""
-    from .grading import grade as grade_notebook
+    from parallel_lab.grading import grade as grade_notebook
 
     ok = True
     for path in args.paths:

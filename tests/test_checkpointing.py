@@ -23,8 +23,8 @@ from parallel_lab.checkpointing import (
     seed_stack,
     segment_sizes,
 )
-from parallel_lab.memory import MemoryTracker
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
+from parallel_lab.runtime.memory import MemoryTracker
 
 
 @pytest.fixture(autouse=True)

@@ -573,7 +573,7 @@ def _learner_all_to_all(ctx, tensors, group=None):
 
 
 def test_checks_pass_a_right_answer(capsys):
-    from parallel_lab.checks import collectives as K
+    from parallel_lab.grading.checks import collectives as K
 
     K.check_ring_all_reduce(_learner_ring_all_reduce)
     K.check_ring_all_gather(_learner_all_gather_raw)
@@ -617,7 +617,7 @@ def _crashes(ctx, tensor, group=None):
 
 
 def test_checks_reject_wrong_answers():
-    from parallel_lab.checks import collectives as K
+    from parallel_lab.grading.checks import collectives as K
 
     with pytest.raises(AssertionError, match=r"world_size=3, numel=1, dtype=float32, rank 2: max abs diff 1"):
         K.check_ring_all_reduce(_off_by_rank)

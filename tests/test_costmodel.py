@@ -9,8 +9,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from parallel_lab import costmodel as cm
-from parallel_lab.memory import MemoryTracker
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
+from parallel_lab.runtime.memory import MemoryTracker
 
 GB = 1e9
 

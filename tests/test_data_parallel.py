@@ -40,9 +40,9 @@ from parallel_lab.data_parallel import (
     shard_batch,
     train_step,
 )
-from parallel_lab.ddp import BucketedDDP, assign_buckets
+from parallel_lab.data_parallel.ddp import BucketedDDP, assign_buckets
 from parallel_lab.models import GPTConfig, build_model, make_optimizer, synthetic_batch
-from parallel_lab.overlap import LayerTimer, comm_hidden_fraction
+from parallel_lab.runtime.overlap import LayerTimer, comm_hidden_fraction
 
 CFG = GPTConfig(vocab=25, seq_len=8, d_model=7, n_heads=1, n_layers=2, tie_weights=True)
 BATCH, STEPS, LR = 24, 5, 1e-2

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from parallel_lab.checkpointing import checkpoint_sequential
-from parallel_lab.checks.checkpointing import check_checkpoint_sequential, check_recompute
-from parallel_lab.checks.data_parallel import check_assign_buckets, check_average_gradients
-from parallel_lab.checks.moe import check_top_k_router
-from parallel_lab.checks.pipeline import check_bubble_fraction, check_one_f_one_b
-from parallel_lab.checks.precision import check_master_weight_step, check_update_scale
-from parallel_lab.checks.quantization import check_int8_matmul, check_quantize_absmax
 from parallel_lab.costmodel import pipeline_bubble_fraction
-from parallel_lab.ddp import assign_buckets
+from parallel_lab.data_parallel.ddp import assign_buckets
+from parallel_lab.grading.checks.checkpointing import check_checkpoint_sequential, check_recompute
+from parallel_lab.grading.checks.data_parallel import check_assign_buckets, check_average_gradients
+from parallel_lab.grading.checks.moe import check_top_k_router
+from parallel_lab.grading.checks.pipeline import check_bubble_fraction, check_one_f_one_b
+from parallel_lab.grading.checks.precision import check_master_weight_step, check_update_scale
+from parallel_lab.grading.checks.quantization import check_int8_matmul, check_quantize_absmax
 from parallel_lab.pipeline import order_1f1b
 from parallel_lab.quantization import dequantize, int8_matmul, quantize_absmax
 

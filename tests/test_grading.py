@@ -16,9 +16,9 @@ import sys
 import nbformat
 import pytest
 
-import parallel_lab.checks
+import parallel_lab.grading.checks
 from parallel_lab import grading
-from parallel_lab.checks import demo
+from parallel_lab.grading.checks import demo
 
 DEMO = "99_demo.ipynb"
 RIGHT_ADD = 'def add(a, b):\n    """Return a + b."""\n    return a + b'
@@ -52,8 +52,8 @@ def statuses(report):
 # ---------------------------------------------------------------------------- check re-exports
 def test_every_check_module_is_reexported():
     seen = []
-    for info in pkgutil.iter_modules(parallel_lab.checks.__path__):
-        module = importlib.import_module(f"parallel_lab.checks.{info.name}")
+    for info in pkgutil.iter_modules(parallel_lab.grading.checks.__path__):
+        module = importlib.import_module(f"parallel_lab.grading.checks.{info.name}")
         assert hasattr(module, "__all__"), f"{module.__name__} has no __all__"
         for name in module.__all__:
             assert getattr(grading, name) is getattr(module, name)
@@ -199,7 +199,7 @@ def test_solution_without_ids_gets_stable_ids(tmp_path, make_exercises, demo_sol
 
 # ---------------------------------------------------------------------------- assembling the graded notebook
 def test_assemble_restores_deleted_and_edited_check_cells(exercise, demo_solutions):
-    solution = grading._read(demo_solutions / DEMO)
+    solution = grading.engine._read(demo_solutions / DEMO)
     exercise.cells = [c for c in exercise.cells if c.id != "ex1-check"]  # deleted
     cell(exercise, "ex2-check").source = "pass"  # edited
     cell(exercise, "ex2-check").metadata["tags"] = []
@@ -214,7 +214,7 @@ def test_assemble_restores_deleted_and_edited_check_cells(exercise, demo_solutio
 
 
 def test_assemble_anchors_at_the_end_when_no_cell_matches(demo_solutions):
-    solution = grading._read(demo_solutions / DEMO)
+    solution = grading.engine._read(demo_solutions / DEMO)
     learner = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1", id="mine")])
     nb, _ = grading.assemble(learner, solution)
     assert [c.id for c in nb.cells] == ["mine", "ex1-check", "ex2-check"]

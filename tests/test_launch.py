@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_lab as pl
-from parallel_lab.launch import MAX_WORLD_SIZE
+from parallel_lab.runtime.launch import MAX_WORLD_SIZE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,7 +116,7 @@ def test_rank_that_raises_names_rank_quickly():
     e = ei.value
     assert e.rank == 2 and e.exc_type == "ValueError"
     assert "rank 2 raised ValueError: bad shard on purpose" in str(e)
-    assert "in f" in e.remote_traceback and "parallel_lab/launch.py" not in e.remote_traceback
+    assert "in f" in e.remote_traceback and "parallel_lab/runtime/launch.py" not in e.remote_traceback
 
 
 def test_hang_reports_stuck_ranks_and_last_collective():
@@ -257,7 +257,7 @@ def test_torchrun_script_writes_loadable_trace(tmp_path):
 
 _NO_THREADS_LEFT = """
 import os, sys, torch
-from parallel_lab.from_env import run_from_env
+from parallel_lab.runtime.from_env import run_from_env
 
 def build_optimizer(ctx):  # the first optimizer imports torch._dynamo
     torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])

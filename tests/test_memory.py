@@ -15,15 +15,15 @@ import torch.distributed as dist
 
 import parallel_lab as pl
 from parallel_lab import costmodel
-from parallel_lab.memory import (
-    MemoryTracker,
+from parallel_lab.models import GPTConfig, MLPConfig, TinyGPT, build_model, synthetic_batch
+from parallel_lab.runtime.memory import MemoryTracker
+from parallel_lab.runtime.memory_state import (
     attach_hooks,
     count_bytes,
     measure_model_state,
     model_state_bytes_measured,
 )
-from parallel_lab.models import GPTConfig, MLPConfig, TinyGPT, build_model, synthetic_batch
-from parallel_lab.trace import CATEGORIES, Recorder
+from parallel_lab.runtime.trace import CATEGORIES, Recorder
 
 
 @pytest.fixture(autouse=True)
@@ -296,7 +296,7 @@ def test_check_memory_calculator_passes_a_right_answer(capsys):
 
 
 def test_check_memory_calculator_rejects_wrong_answers():
-    from parallel_lab.checks.memory import check_memory_calculator
+    from parallel_lab.grading.checks.memory import check_memory_calculator
 
     def no_master(n, optimizer, precision):  # forgets the fp32 master copy in mixed precision
         d = _right_calculator(n, optimizer, precision)

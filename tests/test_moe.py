@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import parallel_lab as pl
-from parallel_lab.expert_parallel import ExpertParallelMoE, all_to_all_v, dispatch_bytes, expert_owner
 from parallel_lab.moe import Expert, MoEConfig, TopKRouter, build_moe, expert_capacity, switch_aux_loss
+from parallel_lab.moe.expert_parallel import ExpertParallelMoE, all_to_all_v, dispatch_bytes, expert_owner
 
 
 def _x(n: int, d: int = 16, seed: int = 0) -> torch.Tensor:

@@ -19,7 +19,7 @@ from parallel_lab import launch
 from parallel_lab.comms import ring_bytes_per_rank
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
 from parallel_lab.offload import ZeroOffload, offload_state_bytes
-from parallel_lab.offload_stream import WeightStreamer, streaming_units
+from parallel_lab.offload.streaming import WeightStreamer, streaming_units
 from parallel_lab.scripts.zero import full_params
 from parallel_lab.zero import ZeRO
 

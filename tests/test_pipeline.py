@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import parallel_lab as pl
 from parallel_lab.costmodel import pipeline_bubble_fraction
 from parallel_lab.models import build_model, train_reference
-from parallel_lab.parallel_dims import ParallelDims
 from parallel_lab.pipeline import (
     ScheduleError,
     Step,
@@ -24,20 +23,21 @@ from parallel_lab.pipeline import (
     simulate,
     validate_schedule,
 )
-from parallel_lab.pipeline_exec import (
+from parallel_lab.pipeline.executor import (
     PipelineConfig,
     reference_batches,
     split_layers,
     stage_modules,
     train_pipeline,
 )
-from parallel_lab.pipeline_viz import (
+from parallel_lab.pipeline.viz import (
     compare_with_torch,
     measured_bubble,
     peak_activation,
     sim_events,
     torch_orders,
 )
+from parallel_lab.runtime.parallel_dims import ParallelDims
 
 # Forked ranks compute with one thread: the parent has used its OpenMP pool already, and
 # libgomp is not fork-safe (a forked rank with more threads can hang).

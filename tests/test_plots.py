@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from parallel_lab import plots, plots_live  # noqa: E402
+from parallel_lab import plots  # noqa: E402
 from parallel_lab.plots import (  # noqa: E402
     CATEGORY_COLORS,
     KIND_COLORS,
@@ -26,8 +26,9 @@ from parallel_lab.plots import (  # noqa: E402
     plot_predicted_vs_measured,
     plot_timeline,
 )
-from parallel_lab.result import RunResult  # noqa: E402
-from parallel_lab.trace import CATEGORIES, KINDS, chrome_trace  # noqa: E402
+from parallel_lab.plots import live as plots_live  # noqa: E402
+from parallel_lab.runtime.result import RunResult  # noqa: E402
+from parallel_lab.runtime.trace import CATEGORIES, KINDS, chrome_trace  # noqa: E402
 
 MiB = 2**20
 

@@ -11,14 +11,14 @@ import torch.nn as nn
 
 import parallel_lab as pl
 from parallel_lab import quantization as Q
-from parallel_lab.memory import count_bytes
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
-from parallel_lab.quantized_inference import (
+from parallel_lab.quantization.inference import (
     bytes_per_param,
     layer_bytes_of,
     plan_layer_offload,
     run_layer_by_layer,
 )
+from parallel_lab.runtime.memory_state import count_bytes
 
 # Seed 000's example: the largest magnitude is 3.1 (negative: it maps to -127).
 SEED_X = torch.tensor([[1.2, -0.5, -3.1, 0.8], [0.0, 2.4, -1.7, 0.3], [-0.9, 1.5, 2.0, -2.6]])

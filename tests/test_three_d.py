@@ -5,10 +5,7 @@ from __future__ import annotations
 import pytest
 
 import parallel_lab as pl
-from parallel_lab.context import RankError
-from parallel_lab.models import GPTConfig
-from parallel_lab.parallel_dims import ParallelDims, plot_mesh
-from parallel_lab.planner import (
+from parallel_lab.costmodel.planner import (
     BLOOM,
     GPT3,
     JEAN_ZAY,
@@ -20,6 +17,9 @@ from parallel_lab.planner import (
     lab_stage_memory,
     plan,
 )
+from parallel_lab.models import GPTConfig
+from parallel_lab.runtime.context import RankError
+from parallel_lab.runtime.parallel_dims import ParallelDims, plot_mesh
 from parallel_lab.three_d import ThreeDConfig, compare_3d, train_3d
 
 LAUNCH = {"threads": 1, "timeout": 120}  # one thread per forked rank: see tests/test_pipeline.py
@@ -192,7 +192,7 @@ def _comm_bytes(b, s, h, tp, dp, itemsize=2, dp_phases=2, tp_share=True, dp_shar
 
 
 def test_three_d_checks_pass_the_right_answer(capsys):
-    from parallel_lab.checks import three_d as K
+    from parallel_lab.grading.checks import three_d as K
 
     K.check_mesh_groups(_mesh_groups)
     K.check_comm_bytes_per_layer(_comm_bytes)
@@ -203,7 +203,7 @@ def test_three_d_checks_pass_the_right_answer(capsys):
 
 
 def test_three_d_checks_reject_wrong_answers():
-    from parallel_lab.checks import three_d as K
+    from parallel_lab.grading.checks import three_d as K
 
     with pytest.raises(
         AssertionError, match=r"rank=0\): tp group \[0, 2\], expected \[0, 1\].* puts TP outermost"

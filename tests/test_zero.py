@@ -31,9 +31,9 @@ from parallel_lab.costmodel import model_state_bytes
 from parallel_lab.models import GPTConfig, TinyGPT, build_model, synthetic_batch
 from parallel_lab.scripts.zero import comm_formula, full_params, zero_train
 from parallel_lab.zero import ZeRO, ZeroOptimizer
-from parallel_lab.zero3 import Zero3
-from parallel_lab.zero_layout import ZeroLayout, check_stage, group_params, resolve_optimizer
-from parallel_lab.zero_meta import PAPER_GB, count_state_bytes, expected_state_bytes, paper_table
+from parallel_lab.zero.layout import ZeroLayout, check_stage, group_params, resolve_optimizer
+from parallel_lab.zero.meta import PAPER_GB, count_state_bytes, expected_state_bytes, paper_table
+from parallel_lab.zero.stage3 import Zero3
 
 LR, STEPS, BATCH = 1e-2, 5, 12  # 12 sequences split evenly over 1, 2, 3 or 4 ranks
 TOL_GRAD, TOL_LOSS, TOL_PARAM = 1e-5, 1e-5, 5e-5

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 -m parallel_lab.scripts.collectives
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 4 -m parallel_lab.scripts.collectives
-    python -m parallel_lab.scripts.collectives            # no launcher: 4 local ranks via parallel_lab.launch
+    python -m parallel_lab.scripts.collectives            # no launcher: 4 local ranks via parallel_lab.runtime.launch
 
 Rank 0 prints one row per collective (right answer on every rank, bytes this rank
 sent, the ring/tree formula, time) and writes the trace (`--trace`, default
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from parallel_lab import comms as C
-from parallel_lab import mesh
-from parallel_lab.from_env import run_script
+from parallel_lab.runtime import device as mesh
+from parallel_lab.runtime.from_env import run_script
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 

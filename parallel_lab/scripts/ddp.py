@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 -m parallel_lab.scripts.ddp --variant ddp --bucket-kb 64
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 4 -m parallel_lab.scripts.ddp
-    python -m parallel_lab.scripts.ddp --nproc 4          # no launcher: 4 local ranks via parallel_lab.launch
+    python -m parallel_lab.scripts.ddp --nproc 4          # no launcher: 4 local ranks via parallel_lab.runtime.launch
 
 Variants: "param_server" (seed 000's parameter server), "allreduce" (one all-reduce
 per parameter after backward), "ddp" (`BucketedDDP`: bucket all-reduces overlapping
@@ -28,14 +28,15 @@ import torch.distributed as dist
 from parallel_lab.costmodel import allreduce_bytes_per_rank
 from parallel_lab.data_parallel import (
     AllReduceDP,
+    AsyncAllReduce,
+    BucketedDDP,
     ParameterServerDP,
     shard_batch,
     train_step,
 )
-from parallel_lab.ddp import AsyncAllReduce, BucketedDDP
-from parallel_lab.from_env import run_script
 from parallel_lab.models import GPTConfig, build_model, make_optimizer, synthetic_batch
-from parallel_lab.overlap import LayerTimer, comm_hidden_fraction
+from parallel_lab.runtime.from_env import run_script
+from parallel_lab.runtime.overlap import LayerTimer, comm_hidden_fraction
 
 VARIANTS = ("param_server", "allreduce", "ddp", "torch_ddp")
 

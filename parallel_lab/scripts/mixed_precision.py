@@ -3,7 +3,7 @@
 Every rank trains on its slice of each global batch; the overflow flag is
 all-reduced so all ranks skip the same steps (`--overflow-at` plants an inf in one
 rank's gradients to show it). Runs from a notebook through
-`parallel_lab.launch(train_mixed, 2, RunConfig(...))` or from a terminal:
+`parallel_lab.runtime.launch(train_mixed, 2, RunConfig(...))` or from a terminal:
 
     torchrun --nproc-per-node 2 -m parallel_lab.scripts.mixed_precision --overflow-at 5
     torchrun --nproc-per-node 2 -m parallel_lab.scripts.mixed_precision --checkpoint-segments 2
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from parallel_lab.checkpointing import gpt_forward
-from parallel_lab.from_env import run_script
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
 from parallel_lab.precision import MixedPrecisionConfig, MixedPrecisionOptimizer, has_overflow
+from parallel_lab.runtime.from_env import run_script
 
 
 @dataclass

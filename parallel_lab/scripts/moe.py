@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 -m parallel_lab.scripts.moe
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 4 -m parallel_lab.scripts.moe
-    python -m parallel_lab.scripts.moe                 # no launcher: 4 local ranks via parallel_lab.launch
+    python -m parallel_lab.scripts.moe                 # no launcher: 4 local ranks via parallel_lab.runtime.launch
 
 Every rank builds the same seeded layer, keeps E/p experts, routes its own slice of
 the batch (one GShard group per rank), dispatches and combines with two
@@ -22,9 +22,16 @@ import sys
 import torch
 
 from parallel_lab import comms
-from parallel_lab.expert_parallel import VARIANTS, ExpertParallelMoE, all_to_all_v, dispatch_bytes
-from parallel_lab.from_env import run_script
-from parallel_lab.moe import POLICIES, MoEConfig, build_moe
+from parallel_lab.moe import (
+    POLICIES,
+    VARIANTS,
+    ExpertParallelMoE,
+    MoEConfig,
+    all_to_all_v,
+    build_moe,
+    dispatch_bytes,
+)
+from parallel_lab.runtime.from_env import run_script
 
 
 def run_moe(

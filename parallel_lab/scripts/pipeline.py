@@ -19,12 +19,16 @@ import os
 import sys
 
 from parallel_lab.costmodel import pipeline_bubble_fraction
-from parallel_lab.from_env import run_script
 from parallel_lab.models import build_model, train_reference
-from parallel_lab.parallel_dims import ParallelDims
-from parallel_lab.pipeline import SCHEDULES
-from parallel_lab.pipeline_exec import PipelineConfig, reference_batches, train_pipeline
-from parallel_lab.pipeline_viz import measured_bubble
+from parallel_lab.pipeline import (
+    SCHEDULES,
+    PipelineConfig,
+    measured_bubble,
+    reference_batches,
+    train_pipeline,
+)
+from parallel_lab.runtime.from_env import run_script
+from parallel_lab.runtime.parallel_dims import ParallelDims
 
 
 def report(result, cfg: PipelineConfig, dims: ParallelDims) -> tuple[str, bool]:

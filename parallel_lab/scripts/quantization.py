@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m parallel_lab.scripts.quantization
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m parallel_lab.scripts.quantization
-    python -m parallel_lab.scripts.quantization        # no launcher: 2 local ranks via parallel_lab.launch
+    python -m parallel_lab.scripts.quantization        # no launcher: 2 local ranks via parallel_lab.runtime.launch
 
 Every rank builds the same seeded tiny GPT with planted outlier features (LayerNorm
 gains of two features x40, as in the notebook), quantizes its block linears to int8
@@ -32,10 +32,10 @@ import torch
 import torch.nn as nn
 
 from parallel_lab import comms
-from parallel_lab.from_env import run_script
-from parallel_lab.memory import count_bytes
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
 from parallel_lab.quantization import METHODS, Int8Linear, plant_outliers, quantize_linears, relative_error
+from parallel_lab.runtime.from_env import run_script
+from parallel_lab.runtime.memory_state import count_bytes
 
 # the notebook's tiny GPT and planted features
 MODEL = GPTConfig(vocab=64, seq_len=32, d_model=64, n_heads=4, n_layers=2, tie_weights=False)

@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from parallel_lab.from_env import run_script
 from parallel_lab.models import GPTConfig, build_model, make_optimizer, synthetic_batch
+from parallel_lab.runtime.from_env import run_script
 from parallel_lab.tensor_parallel import ParallelBlock, TensorParallelGPT, split, tp_comm_bytes_per_layer
 
 #: Sums over ranks run in another order than one process's matmul: fp32 rounding
@@ -125,7 +125,7 @@ def time_mlp(ctx, d_model: int = 256, batch: int = 8, seq: int = 64, repeats: in
 
     import torch.distributed as dist
 
-    from parallel_lab import mesh
+    from parallel_lab.runtime import device as mesh
     from parallel_lab.tensor_parallel import ParallelMLP
 
     mlp = build_model(GPTConfig(d_model=d_model, n_heads=1), ctx.seed).blocks[0].mlp.to(ctx.device)

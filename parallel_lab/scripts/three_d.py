@@ -16,11 +16,11 @@ import argparse
 import os
 import sys
 
-from parallel_lab.from_env import run_script
+from parallel_lab.costmodel import lab_stage_memory
 from parallel_lab.models import GPTConfig
-from parallel_lab.parallel_dims import ParallelDims
 from parallel_lab.pipeline import SCHEDULES
-from parallel_lab.planner import lab_stage_memory
+from parallel_lab.runtime.from_env import run_script
+from parallel_lab.runtime.parallel_dims import ParallelDims
 from parallel_lab.three_d import ThreeDConfig, compare_3d, train_3d
 
 

@@ -2,7 +2,7 @@
 
 Every rank computes on its own slice of the batch and the gradients are averaged
 with one all-reduce per step, so all ranks keep identical weights. Runs from a
-notebook through `parallel_lab.launch(tour_steps, 4)` or from a terminal:
+notebook through `parallel_lab.runtime.launch(tour_steps, 4)` or from a terminal:
 
     torchrun --nproc-per-node 4 -m parallel_lab.scripts.tour
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 4 -m parallel_lab.scripts.tour
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--trace", default="runs/tour.json", help="where rank 0 writes the trace")
     args = ap.parse_args()
-    from parallel_lab.launch import run_from_env
+    from parallel_lab.runtime.from_env import run_from_env
 
     result = run_from_env(tour_steps, steps=args.steps, trace_path=args.trace)
     if result is not None:

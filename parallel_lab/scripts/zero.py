@@ -2,11 +2,11 @@
 
     torchrun --nproc-per-node 4 -m parallel_lab.scripts.zero --stage 3
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 4 -m parallel_lab.scripts.zero --stage 3
-    python -m parallel_lab.scripts.zero --stage 3 --nproc 4     # no launcher: local ranks via parallel_lab.launch
+    python -m parallel_lab.scripts.zero --stage 3 --nproc 4     # no launcher: local ranks via parallel_lab.runtime.launch
 
 Every rank trains its own slice of the data (seed + rank). Rank 0 prints, per rank: the
 model-state bytes it holds next to `costmodel.model_state_bytes` (plus the flat buffer's
-padding, see zero_meta), the bytes it sent per step next to the formula (ring all-reduce
+padding, see zero.meta), the bytes it sent per step next to the formula (ring all-reduce
 of the padded buffer; 1.5x that at stage 3), and whether every rank ends with identical
 weights. The trace (`--trace`, default runs/zero.json) loads back with `RunResult.load`.
 """
@@ -21,12 +21,11 @@ from typing import Any
 import torch
 
 from parallel_lab import comms
-from parallel_lab.from_env import run_script
-from parallel_lab.memory import attach_hooks
 from parallel_lab.models import GPTConfig, build_model, compute_loss, synthetic_batch
 from parallel_lab.offload import ZeroOffload, offload_state_bytes
-from parallel_lab.zero import ZeRO
-from parallel_lab.zero_meta import expected_state_bytes
+from parallel_lab.runtime.from_env import run_script
+from parallel_lab.runtime.memory_state import attach_hooks
+from parallel_lab.zero import ZeRO, expected_state_bytes
 
 
 def comm_formula(

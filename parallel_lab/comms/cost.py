@@ -1,0 +1,81 @@
+"""Byte and time formulas for the collectives in comms/core.py (the exact per-rank counts).
+
+Invariant: these are the numbers the from-scratch collectives' counters must equal;
+see comms/core.py's docstring for the chunking convention they follow.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+# ----------------------------------------------------------------------------- arithmetic
+def chunk_sizes(numel: int, world_size: int) -> list[int]:
+    """Sizes of the p chunks of an n-element tensor: the first n % p get one more."""
+    q, m = divmod(numel, world_size)
+    return [q + (1 if k < m else 0) for k in range(world_size)]
+
+
+def ring_bytes_per_rank(numel: int, world_size: int, itemsize: int, op: str) -> list[tuple[int, int]]:
+    """Exact (sent, recv) payload bytes of each rank for a ring `op` on `numel` elements.
+
+    `op` is "all_reduce", "reduce_scatter" or "all_gather"; `numel` is the size of
+    the whole tensor (the all-reduce input, the reduce-scatter input, the all-gather
+    output). See the module docstring for the formula.
+    """
+    if op not in ("all_reduce", "reduce_scatter", "all_gather"):
+        raise ValueError(f"op must be 'all_reduce', 'reduce_scatter' or 'all_gather', got {op!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    p, c = world_size, chunk_sizes(numel, world_size)
+    if p == 1:
+        return [(0, 0)]
+    out = []
+    for r in range(p):
+        rs = ((numel - c[r]) * itemsize, (numel - c[r - 1]) * itemsize)
+        ag = ((numel - c[(r + 1) % p]) * itemsize, (numel - c[r]) * itemsize)
+        out.append({"reduce_scatter": rs, "all_gather": ag}.get(op, (rs[0] + ag[0], rs[1] + ag[1])))
+    return out
+
+
+def tree_bytes_per_rank(
+    numel: int, world_size: int, itemsize: int, op: str, root: int = 0
+) -> list[tuple[int, int]]:
+    """Exact (sent, recv) bytes per rank of a binomial-tree "broadcast" or "reduce" from/to `root`."""
+    if op not in ("broadcast", "reduce"):
+        raise ValueError(f"op must be 'broadcast' or 'reduce', got {op!r}")
+    nbytes, p = numel * itemsize, world_size
+    sent, recv = [0] * p, [0] * p
+    for parent, child in _binomial_edges(p):  # relative ranks: 0 is the root
+        a, b = (parent + root) % p, (child + root) % p
+        if op == "broadcast":
+            sent[a], recv[b] = sent[a] + nbytes, recv[b] + nbytes
+        else:
+            sent[b], recv[a] = sent[b] + nbytes, recv[a] + nbytes
+    return list(zip(sent, recv))
+
+
+def _binomial_edges(p: int) -> list[tuple[int, int]]:
+    """(parent, child) pairs of a binomial tree over relative ranks 0..p-1, in round order."""
+    edges, mask = [], 1
+    while mask < p:
+        edges += [(v, v + mask) for v in range(mask) if v + mask < p]
+        mask *= 2
+    return edges
+
+
+def alpha_beta_seconds(algorithm: str, nbytes: int, world_size: int, alpha: float, bandwidth: float) -> float:
+    """Alpha-beta time of an all-reduce of `nbytes`: steps * alpha + bytes-on-the-wire / bandwidth.
+
+    "ring": 2(p-1) steps of nbytes/p each. "tree": reduce then broadcast down a
+    binomial tree, 2*ceil(log2 p) steps of the whole message (a plain tree; NCCL's
+    pipelined double tree gets the bandwidth term back down to ~nbytes).
+    """
+    p = world_size
+    if p == 1:
+        return 0.0
+    if algorithm == "ring":
+        return 2 * (p - 1) * (alpha + nbytes / p / bandwidth)
+    if algorithm == "tree":
+        return 2 * math.ceil(math.log2(p)) * (alpha + nbytes / bandwidth)
+    raise ValueError(f"algorithm must be 'ring' or 'tree', got {algorithm!r}")

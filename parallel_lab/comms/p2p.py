@@ -1,0 +1,68 @@
+"""Point-to-point messages, traced: send, recv, sendrecv, and the asynchronous isend/irecv.
+
+Pipelines (stage to stage activations and gradients) are built on these.
+Invariant: like every op in comms, each call records one "comm" span and books the
+bytes its message carried (a send counts sent bytes only, a receive received bytes).
+Import them from `parallel_lab.comms`, which re-exports this module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel_lab.comms.core import Handle, TracedOp, _check_rank, _global, _group, _size_rank
+
+
+def _p2p(ctx, name, send_t, dst, recv_t, src, group) -> TracedOp:
+    with TracedOp(ctx, name, send_t if send_t is not None else recv_t, group) as o:
+        for n, r in (("dst", dst), ("src", src)):
+            if r is not None:
+                _check_rank(n, r, o.p)
+        o.xchg(send_t, dst, recv_t, src)
+    return o
+
+
+def send(ctx, tensor: torch.Tensor, dst: int, group=None) -> None:
+    """Send `tensor` to group rank `dst` (blocks until the message is handed over)."""
+    _p2p(ctx, "send", tensor, dst, None, None, group)
+
+
+def recv(ctx, tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """Receive into `tensor` (its shape and dtype must match what `src` sends); returns it."""
+    _p2p(ctx, "recv", None, None, tensor, src, group)
+    return tensor
+
+
+def sendrecv(ctx, send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """Post the send and the receive together, then wait for both: a ring of these cannot deadlock."""
+    _p2p(ctx, "sendrecv", send_t, dst, recv_t, src, group)
+    return recv_t
+
+
+def _ip2p(ctx, name, tensor, peer, group, is_send) -> Handle:
+    g = _group(ctx, group)
+    p, _ = _size_rank(g)
+    _check_rank("dst" if is_send else "src", peer, p)
+    fn, nbytes = (dist.isend if is_send else dist.irecv), tensor.numel() * tensor.element_size()
+    works = [fn(tensor, _global(g, peer), group=g)] if tensor.numel() > 0 else []
+    args = {
+        "op": name,
+        "numel": tensor.numel(),
+        "dtype": str(tensor.dtype).replace("torch.", ""),
+        "peers": [_global(g, peer)],
+    }
+    return Handle(ctx, name, works, args, nbytes if is_send else 0, 0 if is_send else nbytes, tensor)
+
+
+def isend(ctx, tensor: torch.Tensor, dst: int, group=None) -> Handle:
+    """Start sending `tensor` to `dst`; don't touch `tensor` until `.wait()`."""
+    return _ip2p(ctx, "isend", tensor, dst, group, True)
+
+
+def irecv(ctx, tensor: torch.Tensor, src: int, group=None) -> Handle:
+    """Start receiving into `tensor` from `src`; `.wait()` returns it filled."""
+    return _ip2p(ctx, "irecv", tensor, src, group, False)
+
+
+__all__ = ["irecv", "isend", "recv", "send", "sendrecv"]

@@ -1,0 +1,16 @@
+"""Predictions before measurements: memory, FLOPs, bytes, bubbles, and a 3D planner.
+
+Every lesson predicts, then measures. Formulas from ZeRO (Rajbhandari et al. 2020: 16 bytes
+per parameter under mixed-precision Adam, and its sharding by stage), Megatron-LM's activation
+estimate sbh(34 + 5as/h) (Korthikanti et al. 2022), the ring all-reduce's 2(p-1)/p * S,
+the pipeline bubble (p-1)/(v*m + p-1) (Huang et al. 2019; Narayanan et al. 2021), training
+FLOPs 6ND (Kaplan et al. 2020) and the roofline (Williams et al. 2009). Lesson 10's planner
+combines them to rank (dp, tp, pp, ZeRO, checkpointing) layouts for a model on a cluster.
+
+Read in this order:
+  formulas.py  pure arithmetic: one function per formula, each naming its source
+  planner.py   memory per GPU and step time per layout, built on formulas.py
+"""
+
+from parallel_lab.costmodel.formulas import *  # noqa: F403
+from parallel_lab.costmodel.planner import *  # noqa: F403

@@ -1,0 +1,172 @@
+"""Checks for lesson 01's exercises: ring all-reduce, ring all-gather, all-to-all.
+
+The learner's function has the same signature as ours, `fn(ctx, tensor, group=None)`
+(all-to-all: `fn(ctx, tensors, group=None)` with a list of p equally shaped
+tensors). Each check launches it on world sizes 1..4 with awkward sizes (0, 1,
+fewer elements than ranks, uneven), compares every rank's answer with
+torch.distributed's, and makes sure the answer travelled by point-to-point
+messages: a built-in collective (torch.distributed.all_reduce, ...) called inside
+the learner's function fails the check. The lab's own from-scratch versions pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from parallel_lab.grading.checks import launch_learner, passed, require_callable
+
+__all__ = ["check_all_to_all", "check_ring_all_gather", "check_ring_all_reduce"]
+
+WORLD_SIZES = (1, 2, 3, 4)
+#: (numel, dtype): empty, one element, fewer than 4 ranks, uneven, bigger and uneven, bf16
+CASES = (
+    (0, torch.float32),
+    (1, torch.float32),
+    (3, torch.float32),
+    (10, torch.float32),
+    (1001, torch.float32),
+    (10, torch.bfloat16),
+)
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+)
+
+
+@contextlib.contextmanager
+def _forbid_collectives() -> Iterator[None]:
+    """Inside the learner's call every built-in collective raises: the data must travel by
+    point-to-point messages (dist.send/recv/isend/irecv or parallel_lab.comms' traced ones)."""
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def forbid(name):
+        def call(*args, **kwargs):
+            raise AssertionError(
+                f"your function called torch.distributed.{name}: build the collective from send/recv "
+                "(parallel_lab.comms.sendrecv, isend, irecv) instead"
+            )
+
+        return call
+
+    try:
+        for name in saved:
+            setattr(dist, name, forbid(name))
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+
+
+def _data(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """Small integers: any summation order gives the same bits, so answers compare exactly."""
+    g = torch.Generator().manual_seed(7919 * rank + numel + salt)
+    return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+
+
+def _compare(what: str, got, want: torch.Tensor, where: str) -> None:
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{what}: {where}: expected a tensor, got {type(got).__name__}")
+    if got.numel() != want.numel():
+        raise AssertionError(
+            f"{what}: {where}: result has {got.numel()} elements (shape {tuple(got.shape)}), "
+            f"expected {want.numel()} (shape {tuple(want.shape)})"
+        )
+    g, w = got.detach().reshape(-1).double().cpu(), want.reshape(-1).double().cpu()
+    wrong = (g != w).nonzero()
+    if len(wrong):
+        i = int(wrong[0])
+        raise AssertionError(
+            f"{what}: {where}: max abs diff {(g - w).abs().max().item():g} over {len(wrong)} wrong "
+            f"element(s); first at index {i}: got {g[i].item():g}, expected {w[i].item():g}"
+        )
+
+
+def _run_cases(ctx, fn: Callable, kind: str) -> int:
+    """On every rank: run the learner's fn on each case and compare; returns the case count."""
+    p, r = ctx.world_size, ctx.rank
+    for numel, dtype in CASES:
+        where = f"world_size={p}, numel={numel}, dtype={str(dtype).replace('torch.', '')}, rank {r}"
+        x = _data(r, numel, dtype)
+        if kind == "ring_all_reduce":
+            want = x.clone()
+            dist.all_reduce(want)
+            arg = x.clone()
+        elif kind == "ring_all_gather":
+            parts = [torch.empty_like(x) for _ in range(p)]
+            dist.all_gather(parts, x)
+            want, arg = torch.stack(parts), x.clone()
+        else:
+            arg = [_data(r, numel, dtype, salt=100 + j) for j in range(p)]
+            want = [torch.empty_like(x) for _ in range(p)]
+            dist.all_to_all(want, [a.clone() for a in arg])
+        try:
+            with _forbid_collectives():
+                got = fn(ctx, arg)
+        except NotImplementedError:
+            raise
+        except AssertionError as e:  # a forbidden collective, or an assert in the learner's code
+            raise AssertionError(f"{kind}: {where}: {e or 'an assert in your function failed'}") from None
+        except Exception as e:
+            raise AssertionError(f"{kind}: {where}: your function raised {type(e).__name__}: {e}") from e
+        if kind == "ring_all_reduce" and got is None:
+            got = arg  # reduced in place, like dist.all_reduce
+        if kind == "all_to_all":
+            if not isinstance(got, (list, tuple)) or len(got) != p:
+                raise AssertionError(
+                    f"all_to_all: {where}: expected a list of {p} tensors, got {type(got).__name__}"
+                )
+            for j in range(p):
+                _compare("all_to_all", got[j], want[j], f"{where}, piece from rank {j}")
+        else:
+            if isinstance(got, (list, tuple)) and kind == "ring_all_gather":
+                got = torch.stack(list(got)) if len(got) else torch.empty(0)
+            _compare(kind, got, want, where)
+    return len(CASES)
+
+
+def _check(fn: Callable, kind: str, check: str) -> None:
+    require_callable(fn)
+    total = 0
+    for p in WORLD_SIZES:
+        try:
+            result = launch_learner(_run_cases, p, fn, kind, timeout=30.0)
+        except Exception as e:
+            exc_type = getattr(e, "exc_type", None)
+            if exc_type == "AssertionError":  # our own verdict, raised on a rank: keep only the message
+                raise AssertionError(str(e).split(": ", 1)[1].split("\n\n--- traceback", 1)[0]) from None
+            if type(e).__name__ == "LaunchTimeout":
+                raise AssertionError(
+                    f"{kind}: world_size={p}: the ranks did not finish in 30 s; a send whose matching "
+                    "recv is never posted (or posted in the wrong order) waits forever"
+                ) from None
+            raise
+        total += result.values[0]
+    passed(check, f"all {total} cases")
+
+
+def check_ring_all_reduce(fn: Callable) -> None:
+    """`fn(ctx, tensor, group=None)` returns (or leaves in `tensor`) the sum over ranks."""
+    _check(fn, "ring_all_reduce", "check_ring_all_reduce")
+
+
+def check_ring_all_gather(fn: Callable) -> None:
+    """`fn(ctx, tensor, group=None)` returns every rank's tensor in rank order, shape (p, *tensor.shape)."""
+    _check(fn, "ring_all_gather", "check_ring_all_gather")
+
+
+def check_all_to_all(fn: Callable) -> None:
+    """`fn(ctx, tensors, group=None)`: `tensors[j]` goes to rank j; returns p tensors, [j] from rank j."""
+    _check(fn, "all_to_all", "check_all_to_all")

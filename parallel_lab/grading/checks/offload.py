@@ -1,0 +1,95 @@
+"""Checks for lesson 05 (offload): an offloaded optimizer step.
+
+`check_offloaded_step(fn)`: `fn(params, masters, optimizer, to_host, to_device)` runs one
+ZeRO-Offload step. `params` are the device's bf16 working weights with their bf16
+`.grad`; `masters` are the host's fp32 master copies, which `optimizer` (Adam) steps;
+`to_host(t)` / `to_device(t)` return a copy of `t` on the other side and count the bytes
+that crossed. The step must leave the masters where one fp32 Adam step on the bf16
+gradients puts them, the device weights equal to the masters rounded to bf16, and move
+exactly 2 bytes per parameter each way: the 16-bit gradient down, the 16-bit weight up
+(casts happen on the side where the fp32 copy lives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from parallel_lab.grading.checks import passed, require_callable
+
+__all__ = ["check_offloaded_step"]
+
+_SHAPES = ((7, 5), (5,), (3, 7), (11,))  # 35 + 5 + 21 + 11 = 72 parameters
+_STEPS = 3
+
+
+def _case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    masters = [torch.randn(s, generator=g).requires_grad_() for s in _SHAPES]  # host: fp32
+    params = [m.detach().to(torch.bfloat16) for m in masters]  # device: bf16 copies
+    return params, masters, g
+
+
+def check_offloaded_step(fn: Callable) -> None:
+    """`fn(params, masters, optimizer, to_host, to_device)`: gradients down, host Adam, weights up."""
+    require_callable(fn)
+    params, masters, g = _case(0)
+    opt = torch.optim.Adam(masters, lr=0.05)
+    _, ref_masters, _ = _case(0)
+    ref_opt = torch.optim.Adam(ref_masters, lr=0.05)
+    moved = {"d2h": 0, "h2d": 0}
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        moved["d2h"] += t.numel() * t.element_size()
+        return t.detach().clone()
+
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        moved["h2d"] += t.numel() * t.element_size()
+        return t.detach().clone()
+
+    n = sum(m.numel() for m in masters)
+    for step in range(_STEPS):
+        grads = [torch.randn(s, generator=g).to(torch.bfloat16) for s in _SHAPES]
+        for p, gr in zip(params, grads):
+            p.grad = gr.clone()  # what backward left on the device
+        for m, gr in zip(ref_masters, grads):
+            m.grad = gr.float()
+        ref_opt.step()
+        moved.update(d2h=0, h2d=0)
+        where = f"step {step}"
+        try:
+            fn(params, masters, opt, to_host, to_device)
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e}") from e
+        assert opt.state and all(m in opt.state for m in masters), (
+            f"{where}: call optimizer.step() with every master's .grad set (the fp32 gradient on the host)"
+        )
+        for i, (m, r) in enumerate(zip(masters, ref_masters)):
+            d = (m.detach() - r.detach()).abs().max().item()
+            assert d <= 1e-6, (
+                f"{where}: master {i} differs from one fp32 Adam step on the bf16 gradients by {d:.3g} "
+                "(set master.grad = the gradient, cast to fp32 on the host, before optimizer.step())"
+            )
+        for i, (p, r) in enumerate(zip(params, ref_masters)):
+            assert p.dtype == torch.bfloat16, (
+                f"{where}: parameter {i} must stay bf16 on the device, got {p.dtype}"
+            )
+            want = r.detach().to(torch.bfloat16)
+            d = (p.detach().float() - want.float()).abs().max().item()
+            assert d == 0, (
+                f"{where}: device parameter {i} differs from its updated master rounded to bf16 by {d:.3g}: copy "
+                "the masters back after the step (p.copy_(...) or p.data = ...)"
+            )
+        assert moved["d2h"] == 2 * n, (
+            f"{where}: {moved['d2h']} bytes went to the host; the bf16 gradients are {2 * n} bytes: send them "
+            "as they are (to_host(p.grad)) and cast to fp32 on the host"
+            + (" (each once)" if moved["d2h"] else "")
+        )
+        assert moved["h2d"] == 2 * n, (
+            f"{where}: {moved['h2d']} bytes went to the device; the bf16 weights are {2 * n} bytes: round the "
+            "masters to bf16 on the host, then to_device(...) them"
+        )
+    passed("check_offloaded_step", f"{_STEPS} steps, {n} parameters, 2 bytes per parameter each way")

@@ -1,0 +1,218 @@
+"""Checks for lesson 04 (ZeRO): a ZeRO-1 sharded optimizer step, and ZeRO-3 gather/free hooks.
+
+`check_zero1_step(fn)`: `fn(ctx, flat_param, flat_grad, shard, optimizer)` runs one ZeRO-1
+step on every rank. It is run for 3 Adam steps on 1 to 4 ranks with a parameter count no
+rank count divides (the buffers are padded), and must leave every rank with the
+parameters of one process running Adam on the averaged gradients, while moving exactly
+a ring all-reduce's bytes through `parallel_lab.comms`.
+
+`check_zero3_hooks(fn)`: `fn(ctx, layer, shard, shapes)` installs forward hooks so that
+`layer`'s parameters exist only while it runs. A 3-layer MLP whose parameters were
+replaced by empty placeholders must give the full model's output bit for bit, with at
+most one layer's parameters gathered at any time and all of them freed afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from parallel_lab.grading.checks import launch_learner, passed, require_callable
+
+__all__ = ["check_zero1_step", "check_zero3_hooks"]
+
+WORLD_SIZES = (1, 2, 3, 4)
+_NUMEL = 1_001  # 7 x 11 x 13: no world size 2..4 divides it
+_STEPS = 3
+
+
+def _fail(e: Exception, what: str, limit: float) -> None:
+    """A rank's AssertionError (our verdict) -> its message; a timeout -> a hint; else unchanged."""
+    if getattr(e, "exc_type", None) == "AssertionError":
+        raise AssertionError(str(e).split(": ", 1)[1].split("\n\n--- traceback", 1)[0]) from None
+    if type(e).__name__ == "LaunchTimeout":
+        raise AssertionError(
+            f"{what}: the ranks did not finish in {limit:g} s (a collective some rank skipped?)"
+        )
+    raise e
+
+
+# ----------------------------------------------------------------------------- ZeRO-1
+def _zero1_case(ctx, fn: Callable) -> str:
+    from parallel_lab import comms
+
+    p, r = ctx.world_size, ctx.rank
+    shard_n = -(-_NUMEL // p)
+    padded = shard_n * p
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(_NUMEL, generator=g)  # the same weights on every rank
+    flat_param = torch.cat([init, torch.zeros(padded - _NUMEL)])  # (P,) padded
+    flat_grad = torch.zeros(padded)
+    shard = flat_param.view(p, shard_n)[r].detach().requires_grad_()  # (S,) a view: updating it updates flat
+    opt = torch.optim.Adam([shard], lr=0.05)
+    ref = init.clone().requires_grad_()  # one process, averaged gradients
+    ref_opt = torch.optim.Adam([ref], lr=0.05)
+    where = f"world_size={p}, rank {r}, {_NUMEL} parameters padded to {padded}"
+    seen: list[torch.Tensor] = []
+    opt.register_step_pre_hook(
+        lambda o, a, k: seen.append(shard.grad.detach().clone() if shard.grad is not None else None)
+    )
+    for step in range(_STEPS):
+        grads = [
+            torch.randn(_NUMEL, generator=torch.Generator().manual_seed(100 * step + k)) for k in range(p)
+        ]
+        flat_grad.zero_()
+        flat_grad[:_NUMEL] = grads[r]  # this rank's own gradient
+        ref.grad = torch.stack(grads).mean(0)
+        ref_opt.step()
+        before = ctx.recorder.comm_totals()["sent"]
+        try:
+            fn(ctx, flat_param, flat_grad, shard, opt)
+        except NotImplementedError:
+            raise
+        except AssertionError as e:
+            raise AssertionError(
+                f"{where}, step {step}: {e or 'an assert in your function failed'}"
+            ) from None
+        except Exception as e:
+            raise AssertionError(f"{where}, step {step}: your function raised {type(e).__name__}: {e}") from e
+        sent = ctx.recorder.comm_totals()["sent"] - before
+        assert len(seen) == step + 1 and seen[-1] is not None, (
+            f"{where}, step {step}: call optimizer.step() once, with shard.grad set to your slice of the gradient"
+        )
+        mean = torch.cat([ref.grad, ref.grad.new_zeros(padded - _NUMEL)]).view(p, shard_n)[r]  # (S,)
+        gdiff = (seen[-1] - mean).abs().max().item()
+        assert gdiff <= 1e-5, (
+            f"{where}, step {step}: the gradient the optimizer stepped with differs from the average over ranks "
+            f"of this rank's slice by up to {gdiff:.3g}" + (" (the reduce-scatter sums: divide by the world size)"
+            if torch.allclose(seen[-1], mean * p, atol=1e-4) and p > 1 else "")
+        )  # fmt: skip
+        want = comms.ring_bytes_per_rank(padded, p, 4, "all_reduce")[r][0]
+        assert sent == want, (
+            f"{where}, step {step}: your step sent {sent:,} bytes through parallel_lab.comms; ZeRO-1 sends "
+            f"exactly a ring all-reduce's {want:,}: comms.ring_reduce_scatter of the gradients, then "
+            "comms.ring_all_gather of the updated slice" + (" (nothing was counted: use parallel_lab.comms, "
+            "not torch.distributed directly)" if sent == 0 else "")
+        )  # fmt: skip
+        diff = (flat_param[:_NUMEL] - ref.detach()).abs().max().item()
+        assert diff <= 1e-5, (
+            f"{where}, step {step}: parameters differ from one process running Adam on the averaged gradients "
+            f"by up to {diff:.3g}" + (" (did you divide the summed gradient by the world size?)" if diff > 1e-3 else "")
+        )  # fmt: skip
+        state = opt.state.get(shard, {})
+        assert state and state["exp_avg"].numel() == shard_n, (
+            f"{where}: the optimizer must step this rank's slice (shard), keeping Adam's state for {shard_n} "
+            "elements only"
+        )
+        assert torch.equal(flat_param[_NUMEL:], torch.zeros(padded - _NUMEL)), (
+            f"{where}, step {step}: the padding must stay zero (its gradient is zero: reduce the padded buffer)"
+        )
+    return flat_param[:_NUMEL].sum().item()
+
+
+def check_zero1_step(fn: Callable) -> None:
+    """`fn(ctx, flat_param, flat_grad, shard, optimizer)`: reduce-scatter, update this rank's slice, all-gather."""
+    require_callable(fn)
+    for p in WORLD_SIZES:
+        try:
+            res = launch_learner(_zero1_case, p, fn, timeout=60.0)
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            _fail(e, f"world_size={p}", 60.0)
+        sums = set(res.values)
+        assert len(sums) == 1, f"world_size={p}: the ranks ended with different parameters ({sorted(sums)})"
+    passed(
+        "check_zero1_step", f"{_STEPS} Adam steps on 1-4 ranks, {_NUMEL} parameters, ring all-reduce bytes"
+    )
+
+
+# ----------------------------------------------------------------------------- ZeRO-3 hooks
+_DIMS = (5, 7, 6, 3)  # Linear(5, 7), Linear(7, 6), Linear(6, 3): 42, 48 and 21 parameters
+
+
+def _zero3_case(ctx, fn: Callable) -> list[float]:
+    from parallel_lab.runtime.memory import MemoryTracker
+
+    p, r = ctx.world_size, ctx.rank
+    torch.manual_seed(0)
+    layers = [nn.Linear(a, b) for a, b in zip(_DIMS[:-1], _DIMS[1:])]
+    full = nn.Sequential(layers[0], nn.GELU(), layers[1], nn.GELU(), layers[2])
+    x = torch.randn(4, _DIMS[0], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = full(x)  # (4, 3) the unsharded model's output
+    sizes, handles = [], []
+    for i, layer in enumerate(layers):
+        shapes = [q.shape for q in layer.parameters()]
+        flat = torch.cat([q.detach().reshape(-1) for q in layer.parameters()])
+        n = -(-flat.numel() // p)
+        flat = torch.cat([flat, flat.new_zeros(n * p - flat.numel())])  # (N*S,) padded
+        shard = flat.view(p, n)[r].clone()  # (S,) all this rank keeps
+        for q in layer.parameters():
+            q.data = torch.empty(0)
+        sizes.append(sum(s.numel() for s in shapes) * 4)
+        try:
+            out = fn(ctx, layer, shard, shapes)
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            raise AssertionError(
+                f"world_size={p}, layer {i}: your function raised {type(e).__name__}: {e}"
+            ) from e
+        handles.append(out)
+    where = f"world_size={p}, rank {r}"
+    peak_params = []
+    mem = MemoryTracker()
+    with mem:
+        for layer in layers:
+            mem.register_module(layer)
+        # Runs after the learner's pre-forward hook (registered later): the layer is gathered now.
+        sample = lambda m, a: peak_params.append(mem.snapshot()["param"])  # noqa: E731
+        probes = [lay.register_forward_pre_hook(sample) for lay in layers]
+        with torch.no_grad():
+            try:
+                got = full(x)
+            except NotImplementedError:
+                raise
+            except Exception as e:
+                raise AssertionError(f"{where}: the forward pass raised {type(e).__name__}: {e}") from e
+        for h in probes:
+            h.remove()
+        live = mem.snapshot()["param"]
+    assert got.shape == want.shape and torch.equal(got, want), (
+        f"{where}: output differs from the unsharded model by up to {(got - want).abs().max().item():.3g}"
+        if got.shape == want.shape else f"{where}: output shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    )  # fmt: skip
+    for i, layer in enumerate(layers):
+        left = sum(q.numel() for q in layer.parameters())
+        assert left == 0, (
+            f"{where}: after the forward pass layer {i} still holds {left} parameter elements: the post-forward "
+            "hook must free them (set each parameter's .data to an empty tensor)"
+        )
+    assert live == 0, f"{where}: {live} bytes of gathered parameters are still alive after the forward pass"
+    assert len(peak_params) == len(layers)
+    # While layer i runs: its own parameters (plus < N padding elements), nothing of the others.
+    over = [(i, b) for i, b in enumerate(peak_params) if b > sizes[i] + 4 * p or b < sizes[i]]
+    assert not over, (
+        f"{where}: while layer {over[0][0]} ran, {over[0][1]} bytes of parameters were alive; the layer needs "
+        f"{sizes[over[0][0]]}: gather all of its parameters before it runs and free every layer's when it is done"
+    )
+    return got.reshape(-1).tolist()
+
+
+def check_zero3_hooks(fn: Callable) -> None:
+    """`fn(ctx, layer, shard, shapes)` registers hooks on `layer`: all-gather before forward, free after."""
+    require_callable(fn)
+    for p in WORLD_SIZES:
+        try:
+            res = launch_learner(_zero3_case, p, fn, timeout=60.0)
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            _fail(e, f"world_size={p}", 60.0)
+        assert all(v == res.values[0] for v in res.values), (
+            f"world_size={p}: ranks computed different outputs"
+        )
+    passed("check_zero3_hooks", "3 layers on 1-4 ranks, output bit-exact, one layer gathered at a time")

@@ -1,0 +1,283 @@
+"""Grading: the `check_*` functions check cells call, and the engine behind
+`python -m parallel_lab grade exercises/NN_topic.ipynb`.
+
+Every `check_*` in `parallel_lab/grading/checks/<lesson>.py` (its `__all__`) is re-exported
+here, so a check cell reads `from parallel_lab.grading import check_ring_all_reduce`.
+
+The engine's invariant: a grade depends only on running the learner's code against
+the teacher's checks, never on what the learner's file stores. So it takes the
+check cells from the pristine solution notebook of the same name (matched by cell
+id and the "check" tag), drops whatever the learner's file has in their place
+(edited, emptied, faked outputs), puts each canonical check where the learner's
+copy sat (or, if deleted, after the nearest cell that precedes it in the
+solution), clears every output, runs the whole notebook in a fresh kernel with this
+interpreter, and reads each check cell's outcome. It is not a sandbox: the
+learner's code runs with the learner's rights.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import pkgutil
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import parallel_lab.grading.checks as _checks_pkg
+
+CHECK_TAG = "check"
+PASS, FAIL, TODO, ERROR = "pass", "fail", "not implemented", "error"
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------- check re-exports
+def _export_checks() -> list[str]:
+    """Import every module in parallel_lab/grading/checks/ and lift its `__all__` into this module."""
+    origin: dict[str, str] = {}
+    for info in sorted(pkgutil.iter_modules(_checks_pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{_checks_pkg.__name__}.{info.name}")
+        names = getattr(module, "__all__", None)
+        if names is None:
+            raise ImportError(f"{module.__name__} must define __all__ (the check_* names it exports)")
+        for name in names:
+            if name in origin:
+                raise ImportError(f"{name} is defined by both {origin[name]} and {module.__name__}")
+            origin[name] = module.__name__
+            globals()[name] = getattr(module, name)
+    return sorted(origin)
+
+
+CHECKS = _export_checks()
+
+
+# ---------------------------------------------------------------------------- report
+def _shown(path: Path) -> str:
+    """A path relative to the working directory when it lies below it (shorter tables)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+@dataclass
+class CheckResult:
+    """Outcome of one check cell: status is one of pass / fail / not implemented / error."""
+
+    cell_id: str
+    check: str
+    status: str
+    message: str = ""
+
+
+@dataclass
+class GradeReport:
+    notebook: Path
+    solution: Path
+    results: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True only when there is at least one check and every check passed."""
+        return bool(self.results) and all(r.status == PASS for r in self.results)
+
+    def summary(self) -> str:
+        """A short table: one row per check, then the full message of every check that did not pass."""
+        width = max([len(r.check) for r in self.results] + [5])
+        lines = [f"Grading {_shown(self.notebook)} (checks from {_shown(self.solution)})", ""]
+        lines.append(f"  {'#':>2}  {'check':<{width}}  result")
+        for i, r in enumerate(self.results, 1):
+            first = r.message.strip().splitlines()[0] if r.message.strip() else ""
+            note = f"  {first[:70]}{'...' if len(first) > 70 else ''}" if r.status != PASS else ""
+            lines.append(f"  {i:>2}  {r.check:<{width}}  {r.status}{note}")
+        counts = {s: sum(r.status == s for r in self.results) for s in (PASS, FAIL, TODO, ERROR)}
+        words = {PASS: "passed", FAIL: "failed", TODO: "not implemented", ERROR: "errored"}
+        lines += [
+            "",
+            f"{len(self.results)} check{'s' if len(self.results) != 1 else ''}: "
+            + ", ".join(f"{n} {words[s]}" for s, n in counts.items() if n),
+        ]
+        for i, r in enumerate(self.results, 1):
+            if r.status in (FAIL, ERROR) and "\n" in r.message.strip():
+                lines += ["", f"--- check {i} ({r.check}): {r.status}", r.message.strip()]
+        lines.append("PASSED" if self.passed else "NOT PASSED")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+# ---------------------------------------------------------------------------- notebook plumbing
+def is_check_cell(cell) -> bool:
+    return cell.get("cell_type") == "code" and CHECK_TAG in cell.get("metadata", {}).get("tags", [])
+
+
+def _read(path: Path):
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in enumerate(nb.cells):  # same rule as tools/make_exercises.py for id-less files
+        if not cell.get("id"):
+            cell["id"] = f"cell-{i}"
+    return nb
+
+
+def find_solution(path: str | Path, solutions: str | Path | None = None) -> Path:
+    """The pristine solution for an exercise file: same name in `solutions`, else in
+    `solutions/` beside the exercise's folder, else in this repository's `solutions/`."""
+    path = Path(path)
+    if solutions is not None:
+        candidates = [Path(solutions) / path.name]
+    else:
+        candidates = [path.resolve().parent.parent / "solutions" / path.name, REPO / "solutions" / path.name]
+    for c in candidates:
+        if c.is_file():
+            return c
+    tried = ", ".join(str(c) for c in dict.fromkeys(candidates))
+    raise FileNotFoundError(
+        f"no solution notebook for {path.name} (looked for {tried}); pass --solutions DIR"
+    )
+
+
+def assemble(learner, solution):
+    """Learner's cells minus any check cell, plus the solution's check cells; outputs cleared."""
+    canon = {c.id: c for c in solution.cells if is_check_cell(c)}
+    cells, placed = [], set()
+    for cell in learner.cells:
+        if cell.get("id") in canon and cell.id not in placed:
+            cells.append(copy.deepcopy(canon[cell.id]))  # the learner's copy sits here: use the original
+            placed.add(cell.id)
+        elif cell.get("id") in canon or is_check_cell(cell):
+            continue  # duplicates and the learner's own "check" cells do not count
+        else:
+            cells.append(copy.deepcopy(cell))
+    for idx, cell in enumerate(solution.cells):
+        if cell.id not in canon or cell.id in placed:
+            continue
+        # Deleted by the learner: anchor after the nearest earlier solution cell still present,
+        # or at the end (after all of the learner's code) if none is.
+        ids = [c.get("id") for c in cells]
+        pos = len(cells)
+        for prev in reversed(solution.cells[:idx]):
+            if prev.id in ids:
+                pos = ids.index(prev.id) + 1
+                break
+        cells.insert(pos, copy.deepcopy(cell))
+        placed.add(cell.id)
+    for cell in cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nb = copy.deepcopy(learner)
+    nb.cells = cells
+    return nb, list(canon)
+
+
+# ---------------------------------------------------------------------------- outcome of one cell
+_RANK_ERROR = re.compile(r"rank \d+ raised (\w+): ?(.*)", re.S)
+
+
+def classify_error(ename: str, evalue: str) -> tuple[str, str]:
+    """(status, message) for an error output; a RankError is judged by the exception the rank raised."""
+    inner = _RANK_ERROR.match(evalue) if ename == "RankError" else None
+    kind = inner.group(1) if inner else ename
+    if kind == "NotImplementedError":  # the stub's own message names the exercise and the hint
+        message = inner.group(2) if inner else evalue
+        return TODO, message.splitlines()[0] if message else kind
+    if kind == "AssertionError":
+        return FAIL, evalue or "AssertionError (no message)"
+    if kind == "KeyboardInterrupt":  # what interrupt_on_timeout leaves behind
+        return ERROR, "interrupted: the cell ran past the time limit (an endless loop or a hang?)"
+    return ERROR, f"{ename}: {evalue}"
+
+
+def _outcome(cell, cell_id: str, not_run: str) -> CheckResult:
+    found = re.search(r"\b(check_\w+)\s*\(", cell.source)
+    name = found.group(1) if found else cell_id
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            status, message = classify_error(out.get("ename", ""), out.get("evalue", ""))
+            return CheckResult(cell_id, name, status, message)
+    if cell.get("execution_count") is None:
+        return CheckResult(cell_id, name, ERROR, f"not run: {not_run}")
+    return CheckResult(cell_id, name, PASS)
+
+
+def _kernel_manager_class():
+    """A kernel manager that always starts ipykernel on this interpreter (sys.executable),
+    whatever 'python3' kernelspec the machine has installed elsewhere."""
+    import zmq
+    from ipykernel.kernelspec import make_ipkernel_cmd
+    from jupyter_client.kernelspec import KernelSpec
+    from jupyter_client.manager import AsyncKernelManager
+
+    class ThisPythonKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            # Encrypt the kernel's sockets where this jupyter_client and libzmq can
+            # (ipykernel otherwise warns on stderr about plain TCP).
+            if "transport_encryption" in self.trait_names() and zmq.has("curve"):
+                self.transport_encryption = "auto"
+
+        @property
+        def kernel_spec(self):
+            if self._kernel_spec is None:
+                self._kernel_spec = KernelSpec(
+                    argv=make_ipkernel_cmd(executable=sys.executable),
+                    display_name="Python 3",
+                    language="python",
+                    metadata={"supported_encryption": ["curve"]},
+                )
+            return self._kernel_spec
+
+    return ThisPythonKernelManager
+
+
+def execute(nb, cwd: str | Path, timeout: float = 300.0) -> str:
+    """Run every cell of `nb` in place (errors recorded, not raised); returns why it stopped early, or ''."""
+    from nbclient import NotebookClient
+
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        startup_timeout=120,  # importing torch in a fresh kernel on a busy laptop can be slow
+        kernel_name="python3",
+        kernel_manager_class=_kernel_manager_class(),
+        allow_errors=True,
+        interrupt_on_timeout=True,  # a hung check becomes a KeyboardInterrupt error and grading goes on
+        resources={"metadata": {"path": str(cwd)}},
+    )
+    try:
+        client.execute()
+    except Exception as e:  # a dead kernel: report the cells that never ran, do not crash the grader
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return ""
+
+
+def grade(path: str | Path, solutions: str | Path | None = None, timeout: float = 300.0) -> GradeReport:
+    """Grade a learner's notebook against its solution's check cells (see the module docstring)."""
+    path = Path(path)
+    if path.suffix != ".ipynb":
+        raise ValueError(f"path must be a Jupyter notebook (.ipynb), got {str(path)!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds per cell, got {timeout!r}")
+    if not path.is_file():
+        raise FileNotFoundError(f"notebook not found: {path}")
+    solution_path = find_solution(path, solutions)
+    learner, solution = _read(path), _read(solution_path)
+    nb, check_ids = assemble(learner, solution)
+    if not check_ids:
+        raise ValueError(
+            f"{solution_path} has no check cells (code cells tagged {CHECK_TAG!r}); nothing to grade"
+        )
+    stopped = execute(nb, cwd=path.resolve().parent, timeout=timeout) or "an earlier cell stopped the run"
+    by_id = {c.get("id"): c for c in nb.cells}
+    report = GradeReport(path, solution_path)
+    report.results = [_outcome(by_id[i], i, stopped) for i in check_ids]
+    return report
+
+
+__all__ = [*CHECKS, "CHECKS", "CHECK_TAG", "ERROR", "FAIL", "PASS", "TODO", "CheckResult", "GradeReport",
+           "assemble", "classify_error", "execute", "find_solution", "grade"]  # fmt: skip

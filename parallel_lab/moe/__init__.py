@@ -1,0 +1,14 @@
+"""Mixture of Experts: many experts, each token sent to a few of them.
+
+Lesson 11. Shazeer et al. 2017 (top-k gating), GShard (Lepikhin et al. 2020: capacity,
+expert parallel over all-to-all), Switch Transformer (Fedus et al. 2021: top-1, capacity
+factor, load-balancing loss), Expert Choice (Zhou et al. 2022), batch-priority routing
+(Riquelme et al. 2021).
+
+Read in this order:
+  routing.py          routers, capacity and drops, the aux loss, one MoE layer
+  expert_parallel.py  experts spread over ranks, tokens moved by two all-to-alls
+"""
+
+from parallel_lab.moe.expert_parallel import *  # noqa: F403
+from parallel_lab.moe.routing import *  # noqa: F403

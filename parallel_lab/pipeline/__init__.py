@@ -1,0 +1,21 @@
+"""Pipeline parallelism: layers split into stages, micro-batches flowing through them.
+
+Lesson 09. Schedules as instruction lists per rank: GPipe (Huang et al. 2019: all forwards,
+then all backwards; bubble (p-1)/(m+p-1)), 1F1B (Narayanan et al. 2019, PipeDream-Flush:
+the same bubble, at most p micro-batches in flight) and interleaved 1F1B (Narayanan et al.
+2021: v chunks per rank, bubble (p-1)/(v*m+p-1)). The same lists are validated, simulated,
+drawn and executed. Beside it: torch.distributed.pipelining in the tests.
+
+Read in this order:
+  simulator.py  the instruction set (Step), the validator, the simulator
+  schedules.py  naive, GPipe, 1F1B, interleaved 1F1B as instruction lists
+  stages.py     a model cut into p * v virtual stages
+  executor.py   the instruction lists run on real ranks (optionally inside DP x PP)
+  viz.py        drawing schedules; comparing with torch's
+"""
+
+from parallel_lab.pipeline.executor import *  # noqa: F403
+from parallel_lab.pipeline.schedules import *  # noqa: F403
+from parallel_lab.pipeline.simulator import *  # noqa: F403
+from parallel_lab.pipeline.stages import *  # noqa: F403
+from parallel_lab.pipeline.viz import *  # noqa: F403

@@ -1,0 +1,301 @@
+"""Executor: run a pipeline schedule's instruction lists on real ranks, optionally inside DP x PP.
+
+The same `list[list[Step]]` the simulator draws runs here, step by step, on a
+`TinyMLP` cut into p * v virtual stages (rank r holds chunks c = 0..v-1, virtual
+stage c*p + r; the head goes with the last one). F runs a chunk on one
+micro-batch, B back-propagates the gradient received from the next stage,
+RECV_* wait for a tagged point-to-point message, SEND_* post one and move on. The
+loss of a micro-batch is scaled by 1/m, so the accumulated gradients equal those
+of the whole batch (GPipe, Huang et al. 2019). With data parallelism the
+gradients of each stage are averaged over its DP group ONCE, after the last
+micro-batch's backward (`dp_sync="end"`); "every_microbatch" is what DDP without
+`no_sync()` does under accumulation: same result, m times the bytes.
+
+Invariant: after every step the parameters equal single-process training on the
+whole batch (up to float summation order), for every schedule.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel_lab import comms
+from parallel_lab.models import build_model, make_optimizer, synthetic_batch
+from parallel_lab.pipeline.schedules import make_schedule
+from parallel_lab.pipeline.stages import PipelineConfig, reference_batches, split_layers, stage_modules
+from parallel_lab.runtime.device import synchronize
+from parallel_lab.runtime.parallel_dims import ParallelDims
+
+__all__ = ["PipelineConfig", "PipelineRank", "SendReaper", "StageParts", "mlp_stage_parts", "reference_batches",
+           "split_layers", "stage_modules", "train_pipeline"]  # fmt: skip
+
+
+def _tagged(ctx, t: torch.Tensor, peer: int, tag: int, send: bool) -> comms.Handle:
+    """A traced, byte-counted isend/irecv with a tag (comms.isend/irecv have none): messages are
+    matched by identity, whatever order two ranks post them in."""
+    nbytes = t.numel() * t.element_size()
+    work = (dist.isend if send else dist.irecv)(t, peer, tag=tag)
+    name = "isend" if send else "irecv"
+    args = {"op": name, "numel": t.numel(), "dtype": str(t.dtype).replace("torch.", ""), "peers": [peer]}
+    return comms.Handle(ctx, name, [work], args, nbytes if send else 0, 0 if send else nbytes, t)
+
+
+class SendReaper:
+    """Waits for posted sends on a thread, so each sent tensor is let go once delivered.
+
+    A send must not block the schedule (the simulator's rule), yet its tensor has to stay
+    alive until the peer received it. gloo's `is_completed()` on a send stays False until
+    `wait()`, and `wait()` blocks until the peer posts its receive, so only a thread can
+    find out in time: otherwise 1F1B would hold every sent tensor until the flush."""
+
+    def __init__(self):
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (h := self.q.get()) is not None:
+            h.wait()  # records the span issue -> delivery, books the bytes
+            del h  # the tensor goes with it
+
+    def add(self, handle: comms.Handle) -> None:
+        self.q.put(handle)
+
+    def join(self) -> None:
+        """Block until every send added so far is delivered; the reaper is done."""
+        self.q.put(None)
+        self.thread.join()
+
+
+class StageParts(NamedTuple):
+    """What a rank computes: its chunks, its parameters by global name, the loss (last stage),
+    the trailing shape of the activations between stages, and an extra gradient sync."""
+
+    mods: dict[int, nn.Module]
+    params: dict[str, nn.Parameter]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    act_tail: tuple[int, ...]
+    extra_sync: Callable[[], None] | None = None
+
+
+def mlp_stage_parts(ctx, cfg: PipelineConfig, stages: int, rank: int) -> StageParts:
+    """This pipeline rank's chunks of the seeded TinyMLP, trained with MSE."""
+    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    with torch.no_grad():
+        model = build_model(cfg.model_config, seed=cfg.seed, device=ctx.device)  # same on every rank
+        mods, params = stage_modules(model, stages, v, rank)
+    return StageParts(mods, params, F.mse_loss, (cfg.hidden,))
+
+
+class PipelineRank:
+    """One rank's part of a pipeline: its chunks, its peers, and a step that runs its instruction list.
+
+    `cfg` needs schedule, microbatches, chunks, compute_time, dp_sync, optimizer and lr;
+    `parts` defaults to this rank's chunks of the TinyMLP `cfg` describes."""
+
+    def __init__(self, ctx, cfg, pp_ranks: list[int], dp_group=None, dp_size: int = 1, parts: StageParts | None = None,
+                 pp_group=None):  # fmt: skip
+        self.ctx, self.cfg, self.pp_ranks = ctx, cfg, pp_ranks
+        self.p, self.r = len(pp_ranks), pp_ranks.index(ctx.rank)
+        self.v = cfg.chunks if cfg.schedule == "interleaved" else 1
+        self.m = cfg.microbatches
+        self.dp_group, self.dp_size, self.pp_group = dp_group, dp_size, pp_group
+        parts = parts or mlp_stage_parts(ctx, cfg, self.p, self.r)  # the other ranks' layers are gone
+        self.mods, self.params, self.loss_fn, self.act_tail, self.extra_sync = parts
+        if ctx.memory is not None:
+            for mod in self.mods.values():
+                ctx.memory.register_module(mod)
+        self.opt = make_optimizer(
+            cfg.optimizer, [p for mod in self.mods.values() for p in mod.parameters()], cfg.lr
+        )
+        if ctx.memory is not None:
+            ctx.memory.register_optimizer(self.opt)
+        self.schedule = make_schedule(cfg.schedule, self.p, self.m, self.v)[self.r]
+        self.last_vs = self.p * self.v - 1
+        self.mail: dict[int, torch.Tensor] = {}  # messages to ourselves (p == 1)
+
+    # -- messages ------------------------------------------------------------------
+    def _tag(self, direction: int, mb: int, vs_recv: int) -> int:
+        return (direction * self.m + mb) * (self.p * self.v) + vs_recv
+
+    def _send(self, t: torch.Tensor, peer: int, tag: int, reaper: SendReaper) -> None:
+        dst = self.pp_ranks[peer]
+        if dst == self.ctx.rank:
+            self.mail[tag] = t
+        else:
+            reaper.add(_tagged(self.ctx, t.contiguous(), dst, tag, send=True))
+
+    def _post_recv(self, shape: tuple, peer: int, tag: int):
+        """Post a receive (a Handle), or take the message from our own mailbox (p == 1)."""
+        src = self.pp_ranks[peer]
+        if src == self.ctx.rank:
+            return self.mail.pop(tag).detach()
+        buf = torch.empty(shape, device=self.ctx.device)  # (b, hidden)
+        return _tagged(self.ctx, buf, src, tag, send=False)
+
+    def _recv(self, posted, shape: tuple, peer: int, tag: int) -> torch.Tensor:
+        """The message of a RECV step: posted one compute step ahead when possible, else now."""
+        got = posted.pop(tag, None)
+        if got is None:
+            got = self._post_recv(shape, peer, tag)
+        return got if isinstance(got, torch.Tensor) else got.wait()
+
+    def _prefetch(self, i: int, posted: dict, shape: tuple) -> None:
+        """Post the next receive of the list before computing, so a message that arrives during the
+        compute finds its receive waiting (torch's runtime posts receives early for the same reason)."""
+        for s in self.schedule[i + 1 :]:
+            if s.kind in ("F", "B"):
+                return
+            if s.kind in ("RECV_F", "RECV_B"):
+                vs = s.chunk * self.p + self.r
+                tag = self._tag(0, s.mb, vs) if s.kind == "RECV_F" else self._tag(1, s.mb, vs)
+                if tag not in posted and self.pp_ranks[s.peer] != self.ctx.rank:
+                    posted[tag] = self._post_recv(shape, s.peer, tag)
+                return
+
+    # -- compute -------------------------------------------------------------------
+    def _compute(self, name: str, fn, target: float, **args):
+        """Run fn in a compute span; pad it to `target` seconds (an emulated device speed)."""
+        with self.ctx.span(name, "compute", **args):
+            t0 = time.perf_counter()
+            out = fn()
+            synchronize(self.ctx.device)  # on a GPU the kernels must be done before the bar ends
+            left = target - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)
+        return out
+
+    def _sync_grads(self, params: list[torch.Tensor]) -> None:
+        """Average gradients over the DP group with one flat all-reduce."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.dp_size == 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])  # (n,)
+        comms.dist_all_reduce(self.ctx, flat, op="avg", group=self.dp_group)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+    def step(self, xs: list, ys: list, step: int, keep_outputs: bool = False) -> dict:
+        """Run this rank's instruction list once over the m micro-batches, then the optimizer step."""
+        ctx, p, r, cfg = self.ctx, self.p, self.r, self.cfg
+        inputs, outputs, grads, logits, posted, reaper = {}, {}, {}, [], {}, SendReaper()
+        loss_sum, shape = 0.0, (xs[0].shape[0], *self.act_tail)
+        t_f, t_b = cfg.compute_time / self.v, 2 * cfg.compute_time / self.v
+        rec = ctx.recorder
+        comms.dist_barrier(ctx)  # every rank starts the step together: bubbles are measured from here
+        idle_from = rec.now()
+        for i, s in enumerate(self.schedule):
+            key, vs = (s.mb, s.chunk), s.chunk * p + r
+            if s.kind in ("F", "B"):
+                self._prefetch(i, posted, shape)
+                if rec.now() > idle_from:
+                    rec.add_event("bubble", "bubble", idle_from, rec.now(), step=step)
+            if s.kind == "RECV_F":
+                inputs[key] = self._recv(posted, shape, s.peer, self._tag(0, s.mb, vs)).requires_grad_()
+            elif s.kind == "F":
+                x = xs[s.mb] if vs == 0 else inputs[key]
+
+                def fwd(x=x, c=s.chunk, mb=s.mb, vs=vs):
+                    out = self.mods[c](x)  # (b, *act_tail), or the model's output on the last virtual stage
+                    if vs == self.last_vs:
+                        if keep_outputs:
+                            logits.append(_np(out))
+                        out = self.loss_fn(out, ys[mb]) / self.m  # 1/m: gradients add up to the batch mean
+                    return out
+
+                outputs[key] = self._compute(
+                    self._name("F", s.chunk), fwd, t_f, mb=s.mb, chunk=s.chunk, step=step
+                )
+                if vs == self.last_vs:
+                    loss_sum += outputs[key].item()
+            elif s.kind == "SEND_F":
+                self._send(outputs[key].detach(), s.peer, self._tag(0, s.mb, vs + 1), reaper)
+            elif s.kind == "RECV_B":
+                grads[key] = self._recv(posted, shape, s.peer, self._tag(1, s.mb, vs))
+            elif s.kind == "B":
+                out, g = outputs.pop(key), grads.pop(key, None)
+                self._compute(self._name("B", s.chunk), lambda out=out, g=g: out.backward(g), t_b,
+                              mb=s.mb, chunk=s.chunk, step=step)  # fmt: skip
+                if cfg.dp_sync == "every_microbatch":  # the bug class: an all-reduce per micro-batch
+                    self._sync_grads(list(self.mods[s.chunk].parameters()))
+            elif s.kind == "SEND_B":
+                self._send(inputs.pop(key).grad, s.peer, self._tag(1, s.mb, vs - 1), reaper)
+            if s.kind in ("F", "B"):
+                idle_from = rec.now()
+        reaper.join()
+        if p > 1:
+            comms.dist_barrier(ctx, group=self.pp_group)  # the flush: the pipeline is empty
+            rec.add_event("bubble", "bubble", idle_from, rec.now(), step=step)
+        if cfg.dp_sync == "end":  # the right way: once, after the last micro-batch's backward
+            self._sync_grads(list(self.params.values()))
+        if self.extra_sync is not None:
+            self.extra_sync()
+        out = {"loss": loss_sum if self.last_vs in [c * p + r for c in range(self.v)] else None}
+        if keep_outputs:  # numpy copies: not tensors, so the memory plot shows the training alone
+            out["grads"] = {n: _np(q.grad) for n, q in self.params.items() if q.grad is not None}
+            out["outputs"] = np.concatenate(logits) if logits else None
+        with ctx.span("optimizer step", "optimizer", step=step):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return out
+
+    def _name(self, kind: str, chunk: int) -> str:
+        return f"{kind}.c{chunk}" if self.v > 1 else kind
+
+
+def train_pipeline(ctx, cfg: PipelineConfig, dims: ParallelDims | None = None) -> dict:
+    """Train `cfg.steps` steps of a pipelined TinyMLP on this rank (call through `launch`).
+
+    `dims` defaults to pure pipeline parallelism over all ranks (pp = world size); with
+    ParallelDims(dp=2, pp=2) on 4 ranks each DP replica is a 2-stage pipeline. Returns
+    this rank's losses (None off the last stage), its parameters after training and, from
+    the first step, its gradients and the last stage's outputs, all by global name.
+    """
+    dims = dims or ParallelDims(pp=ctx.world_size)
+    if dims.size != ctx.world_size:
+        raise ValueError(
+            f"dims.dp * dims.tp * dims.pp = {dims.size} must equal world_size = {ctx.world_size}"
+        )
+    if dims.tp != 1:
+        raise ValueError("train_pipeline runs DP x PP; tensor parallel stages are in three_d/run.py")
+    mesh = dims.build(ctx)
+    dp_rank, dp = mesh.coords["dp"], dims.dp
+    if cfg.batch % (dp * cfg.microbatches):
+        raise ValueError(
+            f"batch ({cfg.batch}) must be divisible by dp x microbatches = {dp} x {cfg.microbatches}"
+        )
+    runner = PipelineRank(ctx, cfg, mesh.ranks("pp"), mesh.group("dp"), dp, pp_group=mesh.group("pp"))
+    rows = cfg.batch // dp
+    losses, first = [], {}
+    for step in range(cfg.steps):
+        x, y = synthetic_batch("regression", cfg.batch, in_dim=cfg.in_dim, out_dim=cfg.out_dim,
+                               seed=cfg.seed + 1 + step, device=ctx.device)  # fmt: skip
+        x, y = x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]  # (B/dp, .)
+        out = runner.step(list(x.chunk(cfg.microbatches)), list(y.chunk(cfg.microbatches)), step, step == 0)
+        losses.append(out["loss"])
+        if step == 0:
+            first = out
+    return {
+        "rank": ctx.rank,
+        "coords": mesh.coords,
+        "losses": losses if losses[0] is not None else None,
+        "params": {n: _np(q) for n, q in runner.params.items()},
+        "grads": first.get("grads", {}),
+        "outputs": first.get("outputs"),
+    }
+
+
+def _np(t: torch.Tensor):
+    """A numpy copy: tensors sent back to the parent would travel as shared-memory file
+    descriptors, which break when the rank exits before the parent reads them."""
+    return t.detach().cpu().numpy().copy()

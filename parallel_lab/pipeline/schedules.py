@@ -1,0 +1,172 @@
+"""Pipeline schedules as instruction lists: GPipe, 1F1B, interleaved 1F1B; validator and simulator.
+
+Papers: GPipe (Huang et al. 2019, fill-drain: all forwards, then all backwards);
+1F1B / PipeDream-Flush (Narayanan et al. 2019 and 2021: after a warm-up of
+p-s-1 forwards, stage s alternates one forward and one backward, so it never holds
+more than p micro-batches' activations); interleaved 1F1B (Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", §2.2: each rank holds v model chunks, virtual stage c*p + r, which
+cuts the bubble by v at the cost of v times more messages).
+
+A schedule is `list[list[Step]]`: one list per pipeline rank, executed in order by
+`pipeline.executor` on real ranks and by `simulate` here. Compute steps are `F`/`B`
+on (micro-batch, chunk); communication is explicit: `RECV_F` (activation) just
+before the F that consumes it, `SEND_F` just after the F that made it, `RECV_B` /
+`SEND_B` likewise for the gradient flowing back. Sends never block; a receive waits
+for its message. Rank r's chunk c is virtual stage c*p + r.
+
+Invariant (`validate_schedule` checks it, for any p, m, v): every (micro-batch,
+chunk) has exactly one F and one B on its rank, F first; every send has exactly one
+matching receive on the right peer and vice versa, and each link receives in the order
+it sends; the lists run to the end without deadlock; no rank ever holds more
+activations in flight (F done, B not yet) than the schedule's bound
+`max_in_flight(name, p, m, v)`: m for GPipe, p for 1F1B.
+"""
+
+from __future__ import annotations
+
+from parallel_lab.pipeline.simulator import (
+    COMMS,
+    COMPUTE,
+    ScheduleError,
+    SimResult,
+    Step,
+    _pos,
+    simulate,
+    validate_schedule,
+)
+
+__all__ = [
+    "COMMS", "COMPUTE", "SCHEDULES", "ScheduleError", "SimResult", "Step", "add_comms", "make_schedule",
+    "max_in_flight", "order_1f1b", "order_gpipe", "order_interleaved", "schedule_1f1b", "schedule_gpipe",
+    "schedule_interleaved_1f1b", "schedule_naive", "simulate", "validate_schedule",
+]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- compute orders
+def order_gpipe(stage: int, stages: int, microbatches: int) -> list[Step]:
+    """GPipe on one stage: F0..F(m-1), then B0..B(m-1) (same order as torch's ScheduleGPipe)."""
+    return [Step("F", i) for i in range(microbatches)] + [Step("B", i) for i in range(microbatches)]
+
+
+def order_1f1b(stage: int, stages: int, microbatches: int) -> list[Step]:
+    """1F1B on one stage: p-s-1 warm-up forwards, then (F, B) pairs, then the remaining backwards."""
+    warmup = min(stages - stage - 1, microbatches)
+    out = [Step("F", i) for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        out += [Step("F", warmup + i), Step("B", i)]  # steady state: one forward, one backward
+    return out + [Step("B", i) for i in range(microbatches - warmup, microbatches)]
+
+
+def order_interleaved(stage: int, stages: int, microbatches: int, chunks: int) -> list[Step]:
+    """Megatron-LM's interleaved 1F1B on rank `stage`: forwards in groups of p micro-batches per
+    chunk (chunk 0 on mb 0..p-1, chunk 1 on the same, ..., then the next group), backwards in the
+    same groups with the chunks reversed; 2(p-r-1) + (v-1)p warm-up forwards."""
+    p, m, v, r = stages, microbatches, chunks, stage
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:  # the k-th forward (backward) -> (mb, chunk)
+        chunk = (k % (p * v)) // p
+        return (k // (p * v)) * p + k % p, chunk if forward else v - 1 - chunk
+
+    warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+    out = [Step("F", *unit(k, True)) for k in range(warmup)]
+    for k in range(total - warmup):
+        out += [Step("F", *unit(warmup + k, True)), Step("B", *unit(k, False))]
+    return out + [Step("B", *unit(k, False)) for k in range(total - warmup, total)]
+
+
+# ----------------------------------------------------------------------------- with communication
+def add_comms(orders: list[list[Step]], chunks: int = 1) -> list[list[Step]]:
+    """Insert RECV before and SEND after each compute step that needs them (virtual stage c*p + r)."""
+    p = len(orders)
+    last = p * chunks - 1
+    out = []
+    for r, order in enumerate(orders):
+        steps: list[Step] = []
+        for s in order:
+            vs = s.chunk * p + r
+            if s.kind == "F":
+                if vs > 0:
+                    steps.append(Step("RECV_F", s.mb, s.chunk, (r - 1) % p))
+                steps.append(s)
+                if vs < last:
+                    steps.append(Step("SEND_F", s.mb, s.chunk, (r + 1) % p))
+            elif s.kind == "B":
+                if vs < last:
+                    steps.append(Step("RECV_B", s.mb, s.chunk, (r + 1) % p))
+                steps.append(s)
+                if vs > 0:
+                    steps.append(Step("SEND_B", s.mb, s.chunk, (r - 1) % p))
+            else:
+                raise ScheduleError(f"add_comms takes compute steps (F/B) only, got {s!r} on rank {r}")
+        out.append(steps)
+    return out
+
+
+def schedule_naive(stages: int) -> list[list[Step]]:
+    """Naive model parallelism: the whole batch goes through the stages one after the other."""
+    return schedule_gpipe(stages, 1)
+
+
+def schedule_gpipe(stages: int, microbatches: int) -> list[list[Step]]:
+    """GPipe: every stage runs all m forwards, then all m backwards."""
+    p, m = _pos("stages", stages), _pos("microbatches", microbatches)
+    return add_comms([order_gpipe(r, p, m) for r in range(p)])
+
+
+def schedule_1f1b(stages: int, microbatches: int) -> list[list[Step]]:
+    """1F1B (PipeDream-Flush): same bubble as GPipe, at most p micro-batches in flight per stage."""
+    p, m = _pos("stages", stages), _pos("microbatches", microbatches)
+    return add_comms([order_1f1b(r, p, m) for r in range(p)])
+
+
+def schedule_interleaved_1f1b(stages: int, microbatches: int, chunks: int = 2) -> list[list[Step]]:
+    """Interleaved 1F1B with `chunks` (v) model chunks per rank; v = 1 is plain 1F1B.
+
+    Megatron-LM's rule: the micro-batch count must be a multiple of the stage count
+    (forwards go in groups of p micro-batches per chunk)."""
+    p, m, v = _pos("stages", stages), _pos("microbatches", microbatches), _pos("chunks", chunks)
+    if v == 1:
+        return schedule_1f1b(p, m)
+    if m % p:
+        raise ValueError(
+            f"schedule_interleaved_1f1b needs microbatches to be a multiple of stages (Megatron-LM's "
+            f"rule: forwards go in groups of p per chunk); got microbatches={m}, stages={p}"
+        )
+    return add_comms([order_interleaved(r, p, m, v) for r in range(p)], v)
+
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+
+
+def make_schedule(name: str, stages: int, microbatches: int = 1, chunks: int = 1) -> list[list[Step]]:
+    """The schedule called `name` (one of `SCHEDULES`); naive ignores microbatches (one batch)."""
+    if name == "naive":
+        return schedule_naive(stages)
+    if name != "interleaved" and chunks != 1:
+        raise ValueError(f"chunks={chunks} needs schedule='interleaved'; {name!r} runs one chunk per rank")
+    if name == "gpipe":
+        return schedule_gpipe(stages, microbatches)
+    if name == "1f1b":
+        return schedule_1f1b(stages, microbatches)
+    if name == "interleaved":
+        return schedule_interleaved_1f1b(stages, microbatches, chunks)
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+
+
+def max_in_flight(name: str, stages: int, microbatches: int = 1, chunks: int = 1) -> int:
+    """Most (micro-batch, chunk) activations a rank may hold at once under schedule `name`.
+
+    naive 1; GPipe m; 1F1B min(p, m); interleaved min(v*m, (v-1)p + 2(p-1) + 1) chunk
+    activations, each 1/v of a stage's, i.e. about p(1 + 1/v) stage activations on rank 0."""
+    p, m, v = stages, microbatches, chunks
+    return {
+        "naive": 1,
+        "gpipe": m,
+        "1f1b": min(p, m),
+        "interleaved": min(v * m, (v - 1) * p + 2 * (p - 1) + 1) if v > 1 else min(p, m),
+    }[name]
+
+
+# The validator and simulator live beside this file; re-exported so `pipeline.X` keeps working.

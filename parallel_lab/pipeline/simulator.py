@@ -1,0 +1,215 @@
+"""The instruction set of pipeline schedules (`Step`), their validator and their simulator.
+
+`pipeline/schedules.py` builds the schedules from these steps (and re-exports everything here).
+
+`validate_schedule` checks the invariant stated in `pipeline`'s docstring for any
+p, m, v, and that every link receives its messages in the order they were sent (so a
+backend that matches point-to-point messages by order, like NCCL, pairs them as gloo's
+tags do); `simulate` runs the lists as the executor would (sends never block,
+receives wait for their message) with unit F and B times, and gives the timeline
+and the bubble. It is also the deadlock check: a pass in which no rank can move is
+a deadlock.
+
+Invariant: for GPipe, 1F1B and interleaved 1F1B (m a multiple of p) with t_comm = 0
+the simulated bubble equals (p-1)/(v*m + p-1) exactly, for any t_f and t_b.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+COMPUTE = ("F", "B")
+COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks one of the rules stated in `pipeline`'s module docstring."""
+
+
+class Step(NamedTuple):
+    """One instruction: kind in F, B, SEND_F, RECV_F, SEND_B, RECV_B; peer is a pipeline rank (-1: none)."""
+
+    kind: str
+    mb: int
+    chunk: int = 0
+    peer: int = -1
+
+    def __repr__(self) -> str:
+        c = f".{self.chunk}" if self.chunk else ""
+        arrow = "" if self.peer < 0 else ("->" if self.kind.startswith("SEND") else "<-") + str(self.peer)
+        return f"{self.kind}{self.mb}{c}{arrow}"
+
+
+def _pos(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+_KINDS = frozenset(COMPUTE + COMMS)
+
+
+def _where(r: int, i: int, s: Step) -> str:
+    return f"rank {r}, step {i} ({s!r})"
+
+
+def _message(r: int, s: Step, p: int) -> tuple[str, int, int]:
+    """(direction, micro-batch, receiving virtual stage) of a send or receive on rank r."""
+    vs = s.chunk * p + r
+    if s.kind == "SEND_F":
+        return ("F", s.mb, vs + 1)
+    if s.kind == "RECV_F":
+        return ("F", s.mb, vs)
+    if s.kind == "SEND_B":
+        return ("B", s.mb, vs - 1)
+    return ("B", s.mb, vs)  # RECV_B
+
+
+def validate_schedule(
+    schedule: list[list[Step]], microbatches: int, chunks: int = 1, bound: int | None = None
+) -> dict:
+    """Check every rule of the module docstring; raise ScheduleError naming the rank and step.
+
+    Returns {"peak_in_flight": per-rank maximum of F done minus B done, "steps": count}.
+    """
+    m, v = _pos("microbatches", microbatches), _pos("chunks", chunks)
+    if not isinstance(schedule, (list, tuple)) or not schedule:
+        raise ScheduleError("schedule must be a non-empty list with one list of steps per rank")
+    p, last = len(schedule), len(schedule) * v - 1
+    peaks, sends, recvs, sent_on, recv_on = [], {}, {}, {}, {}
+    for r, steps in enumerate(schedule):
+        state: dict[tuple[int, int], str] = {}  # (mb, chunk) -> last event: RECV_F, F, RECV_B, B
+        sent: set[tuple[str, int, int]] = set()
+        inflight = peak = 0
+        for i, s in enumerate(steps):
+            if not isinstance(s, Step) or s.kind not in _KINDS:
+                raise ScheduleError(f"{_where(r, i, s)}: not a Step with kind in {_KINDS}")
+            if not (0 <= s.mb < m and 0 <= s.chunk < v):
+                raise ScheduleError(
+                    f"{_where(r, i, s)}: micro-batch must be in [0, {m}) and chunk in [0, {v})"
+                )
+            key, vs, st = (s.mb, s.chunk), s.chunk * p + r, state.get((s.mb, s.chunk))
+            if s.kind == "F":
+                if st is not None and st != "RECV_F":
+                    raise ScheduleError(f"{_where(r, i, s)}: a second forward of this micro-batch")
+                if vs > 0 and st != "RECV_F":
+                    raise ScheduleError(
+                        f"{_where(r, i, s)}: forward before its activation was received (RECV_F)"
+                    )
+                state[key], inflight = "F", inflight + 1
+                peak = max(peak, inflight)
+            elif s.kind == "B":
+                if st not in ("F", "RECV_B") or (vs < last and st != "RECV_B"):
+                    need = "its forward" if st in (None, "RECV_F") else "its gradient (RECV_B)"
+                    raise ScheduleError(f"{_where(r, i, s)}: backward before {need} (or a second backward)")
+                state[key], inflight = "B", inflight - 1
+            elif s.kind == "RECV_F":
+                if st is not None or vs == 0:
+                    raise ScheduleError(f"{_where(r, i, s)}: unexpected receive of an activation")
+                state[key] = "RECV_F"
+            elif s.kind == "RECV_B":
+                if st != "F" or vs == last:
+                    raise ScheduleError(f"{_where(r, i, s)}: gradient received before the forward, or twice")
+                state[key] = "RECV_B"
+            else:  # sends go right after the compute that made what they send
+                need, bad = ("F", vs == last) if s.kind == "SEND_F" else ("B", vs == 0)
+                if bad or (s.kind, key) in sent or (st != need and not (need == "F" and st == "RECV_B")):
+                    raise ScheduleError(
+                        f"{_where(r, i, s)}: send without its {need}, twice, or off the pipeline's end"
+                    )
+                sent.add((s.kind, *key))
+            if s.kind in COMMS:
+                want = (r + (1 if s.kind in ("SEND_F", "RECV_B") else -1)) % p
+                if s.peer != want:
+                    raise ScheduleError(
+                        f"{_where(r, i, s)}: peer must be rank {want} (virtual stage {vs} talks to its neighbour)"
+                    )
+                msg = _message(r, s, p)
+                (sends if s.kind.startswith("SEND") else recvs)[msg] = (r, i)
+                if s.peer != r:  # the order of each link, for the FIFO check below
+                    link = (r, s.peer) if s.kind.startswith("SEND") else (s.peer, r)
+                    (sent_on if s.kind.startswith("SEND") else recv_on).setdefault(link, []).append(msg)
+        missing = [(k, c) for k in range(m) for c in range(v) if state.get((k, c)) != "B"]
+        if missing:
+            raise ScheduleError(f"rank {r}: (micro-batch, chunk) {missing[:4]} never completed F and B")
+        if any(
+            k not in sent for k in [("SEND_F", b, c) for b in range(m) for c in range(v) if c * p + r < last]
+        ):
+            raise ScheduleError(f"rank {r}: a forward whose activation is never sent (SEND_F)")
+        if any(
+            k not in sent for k in [("SEND_B", b, c) for b in range(m) for c in range(v) if c * p + r > 0]
+        ):
+            raise ScheduleError(f"rank {r}: a backward whose gradient is never sent (SEND_B)")
+        if bound is not None and peak > bound:
+            raise ScheduleError(f"rank {r}: {peak} micro-batches in flight, more than the bound {bound}")
+        peaks.append(peak)
+    for msg in sends.keys() ^ recvs.keys():
+        side = "sent but never received" if msg in sends else "received but never sent"
+        rank, i = sends.get(msg) or recvs[msg]
+        raise ScheduleError(f"message {msg} (rank {rank}, step {i}) is {side}")
+    simulate(schedule, chunks=v)  # raises on deadlock
+    for link in sent_on:  # backends without tags (NCCL) match a link's messages in posting order
+        if sent_on[link] != recv_on.get(link):
+            raise ScheduleError(
+                f"link {link[0]} -> {link[1]}: messages are received in another order than sent"
+            )
+    return {"peak_in_flight": peaks, "steps": sum(len(s) for s in schedule)}
+
+
+# ----------------------------------------------------------------------------- simulator
+class SimResult(NamedTuple):
+    """Per-rank compute spans (start, end, kind, mb, chunk), the makespan and the bubble share."""
+
+    spans: list[list[tuple[float, float, str, int, int]]]
+    makespan: float
+    bubble_fraction: float
+
+
+def simulate(
+    schedule: list[list[Step]], t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0, chunks: int = 1
+) -> SimResult:
+    """Run the lists with F = t_f/v and B = t_b/v per chunk, messages arriving t_comm after their send.
+
+    Sends never block, receives wait: each rank runs until it needs a message not yet
+    sent. A full pass in which no rank moves is a deadlock (ScheduleError naming where
+    every rank is stuck). Bubble = 1 - busy time / (p * makespan).
+    """
+    p, v = len(schedule), chunks
+    ptr, t = [0] * p, [0.0] * p
+    spans: list[list] = [[] for _ in range(p)]
+    arrive: dict[tuple[str, int, int], float] = {}
+    dur = {"F": t_f / v, "B": t_b / v}
+    while True:
+        moved = done = False
+        for r in range(p):
+            steps, i, now = schedule[r], ptr[r], t[r]
+            while i < len(steps):
+                s = steps[i]
+                if s.kind in dur:
+                    spans[r].append((now, now + dur[s.kind], s.kind, s.mb, s.chunk))
+                    now += dur[s.kind]
+                elif s.kind[0] == "S":
+                    arrive[_message(r, s, p)] = now + t_comm
+                else:
+                    at = arrive.get(_message(r, s, p))
+                    if at is None:
+                        break
+                    now = max(now, at)
+                i += 1
+            moved |= i != ptr[r]
+            ptr[r], t[r] = i, now
+        done = all(ptr[r] == len(schedule[r]) for r in range(p))
+        if done:
+            break
+        if not moved:
+            stuck = ", ".join(
+                f"rank {r} at step {ptr[r]} {schedule[r][ptr[r]]!r}"
+                for r in range(p)
+                if ptr[r] < len(schedule[r])
+            )
+            raise ScheduleError(f"deadlock: every unfinished rank waits for a message never sent: {stuck}")
+    makespan = max(t) if p else 0.0
+    busy = sum(e - s for rank in spans for (s, e, *_) in rank)
+    return SimResult(spans, makespan, 1.0 - busy / (p * makespan) if makespan > 0 else 0.0)

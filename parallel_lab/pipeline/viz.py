@@ -1,0 +1,203 @@
+"""Drawing simulated schedules, and comparing them with torch.distributed.pipelining's.
+
+`sim_events` turns a `pipeline.simulate` result into timeline events (F and B as
+"compute", the gaps as "bubble"), so `plots.plot_timeline` draws a simulated
+schedule exactly like a measured run. `torch_orders` reads the per-rank F/B order
+of torch's own schedule classes (`ScheduleGPipe`, `Schedule1F1B`,
+`ScheduleInterleaved1F1B`) without running anything, and `compare_with_torch`
+lists where they differ from ours.
+
+Invariant: a simulated unit of time is drawn as 1 ms; bubbles fill exactly the
+time each rank is not computing between 0 and the makespan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parallel_lab.pipeline.schedules import make_schedule
+from parallel_lab.pipeline.simulator import SimResult, Step, simulate
+
+#: our schedule name -> torch.distributed.pipelining's
+TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+
+
+def sim_events(sim: SimResult, chunks: int = 1, unit_s: float = 1e-3) -> list[dict]:
+    """Timeline events of a simulation: "F"/"B" (with ".c<chunk>" when chunks > 1) and "bubble" gaps."""
+    events = []
+    for r, spans in enumerate(sim.spans):
+        t = 0.0
+        for start, end, kind, mb, chunk in spans:
+            if start > t + 1e-12:
+                events.append(_ev(r, "bubble", "bubble", t, start, unit_s))
+            name = f"{kind}.c{chunk}" if chunks > 1 else kind
+            events.append(_ev(r, name, "compute", start, end, unit_s, mb=mb, chunk=chunk))
+            t = end
+        if sim.makespan > t + 1e-12:
+            events.append(_ev(r, "bubble", "bubble", t, sim.makespan, unit_s))
+    return events
+
+
+def _ev(rank: int, name: str, kind: str, start: float, end: float, unit_s: float, **args: Any) -> dict:
+    return {
+        "rank": rank,
+        "name": name,
+        "kind": kind,
+        "start": start * unit_s,
+        "end": end * unit_s,
+        "args": args,
+    }
+
+
+def plot_schedule(
+    name: str,
+    stages: int,
+    microbatches: int,
+    chunks: int = 1,
+    t_f: float = 1.0,
+    t_b: float = 2.0,
+    ax: Any = None,
+    numbers: bool | None = None,
+):
+    """Simulate schedule `name` and draw it with `plots.plot_timeline`; returns the Figure.
+
+    Each bar is one F or B; its micro-batch number is written inside when there is room
+    (`numbers`, default: up to 40 micro-batch-chunks). The title carries the simulated bubble
+    next to the formula (p-1)/(v*m + p-1).
+    """
+    from parallel_lab.costmodel import pipeline_bubble_fraction
+    from parallel_lab.plots import plot_timeline
+
+    m = 1 if name == "naive" else microbatches
+    v = chunks if name == "interleaved" else 1
+    sim = simulate(make_schedule(name, stages, m, v), t_f, t_b, chunks=v)
+    events = sim_events(sim, v)
+    title = (
+        f"{name}: p={stages}, m={m}" + (f", v={v}" if v > 1 else "")
+        + f"; bubble {sim.bubble_fraction:.1%} (formula {pipeline_bubble_fraction(stages, m, v):.1%})"
+    )  # fmt: skip
+    fig = plot_timeline(events, ax=ax, world_size=stages, title=title, color_by="name", labels=False)
+    ax = fig.axes[0] if ax is None else ax
+    if numbers is None:
+        numbers = m * v <= 40 and stages <= 16
+    if numbers:
+        for e in events:
+            if e["kind"] == "compute":
+                ax.text((e["start"] + e["end"]) / 2 * 1e3, e["rank"] + 0.25, str(e["args"]["mb"]),
+                        ha="center", va="center", fontsize=7, color="white", clip_on=True)  # fmt: skip
+    ax.set_xlabel("time (units: F = 1, B = 2 per stage)")
+    ax.set_yticks([r + 0.25 for r in range(stages)])
+    ax.set_yticklabels([f"stage {r}" for r in range(stages)], fontsize=8)
+    return fig
+
+
+# ----------------------------------------------------------------------------- torch's schedules
+def torch_orders(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Step]]:
+    """torch.distributed.pipelining's per-rank F/B order for our schedule `name` (compute steps only).
+
+    Read from `_schedule_visualizer.get_schedule_ops` (a private API): torch builds
+    its schedule's action lists for mocked stages, nothing runs. Stage index s on
+    rank s % p is chunk s // p, as ours.
+    """
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    if name not in TORCH_NAMES:
+        raise ValueError(f"name must be one of {tuple(TORCH_NAMES)}, got {name!r}")
+    ops = get_schedule_ops(
+        TORCH_NAMES[name], stages, microbatches, num_stages_per_rank=chunks if chunks > 1 else None
+    )
+    out = []
+    for rank_ops in ops:
+        steps = []
+        for a in rank_ops:
+            kind = getattr(a, "computation_type", None)
+            if kind is None:
+                continue
+            k = {"FORWARD": "F", "FULL_BACKWARD": "B"}.get(kind.name)
+            if k is not None:
+                steps.append(Step(k, a.microbatch_index, a.stage_index // stages))
+        out.append(steps)
+    return out
+
+
+def compare_with_torch(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[str]:
+    """Where torch's per-rank F/B order differs from ours: one line per differing rank ([] = equal)."""
+    ours = make_schedule(name, stages, microbatches, chunks)
+    theirs = torch_orders(name, stages, microbatches, chunks)
+    diffs = []
+    for r, (a, b) in enumerate(zip(ours, theirs)):
+        a = [s for s in a if s.kind in ("F", "B")]
+        if a != b:
+            i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            diffs.append(
+                f"rank {r}: first difference at position {i}: ours {a[i : i + 3]} vs torch {b[i : i + 3]}"
+                + (f" (lengths {len(a)} vs {len(b)})" if len(a) != len(b) else "")
+            )
+    return diffs
+
+
+# ----------------------------------------------------------------------------- measured runs
+def measured_bubble(result: Any, step: int | None = None) -> float:
+    """Idle share of a measured pipeline step: 1 - mean over ranks of F/B busy time / the step's span.
+
+    The span runs from the first F to the last B of `step` on any rank (default: the
+    last step recorded), so start-up, the DP all-reduce and the optimizer are left out,
+    as in the formula (p-1)/(v*m + p-1).
+    """
+    spans = [e for e in result.timeline if e["kind"] == "compute" and "step" in e.get("args", {})]
+    if not spans:
+        raise ValueError("no pipeline compute spans in this result (was it a train_pipeline run?)")
+    step = max(e["args"]["step"] for e in spans) if step is None else step
+    spans = [e for e in spans if e["args"]["step"] == step]
+    window = max(e["end"] for e in spans) - min(e["start"] for e in spans)
+    ranks = sorted({e["rank"] for e in spans})
+    busy = [sum(e["end"] - e["start"] for e in spans if e["rank"] == r) for r in ranks]
+    return 1.0 - sum(busy) / (len(ranks) * window)
+
+
+def peak_activation(result: Any, step: int | None = None) -> list[int]:
+    """Per rank, the most "activation" bytes seen in any memory sample (of `step`, default all steps).
+
+    Samples are taken at every span boundary (each F and B), so the peak right after a
+    forward is seen. Needs a run launched with track_memory=True.
+    """
+    if not result.memory:
+        raise ValueError("no memory samples: launch with track_memory=True")
+    peaks = [0] * result.world_size
+    bounds = None
+    if step is not None:
+        spans = [e for e in result.timeline if e.get("args", {}).get("step") == step]
+        bounds = (min(e["start"] for e in spans), max(e["end"] for e in spans))
+    for s in result.memory:
+        if bounds is None or bounds[0] <= s["t"] <= bounds[1]:
+            peaks[s["rank"]] = max(peaks[s["rank"]], s["bytes"].get("activation", 0))
+    return peaks
+
+
+def plot_run(result: Any, step: int | None = None, title: str | None = None, ax: Any = None):
+    """The timeline of one step of a `train_pipeline` run: F/B bars with micro-batch numbers,
+    waiting hatched as bubbles, messages on the comm lane. Returns the Figure."""
+    from parallel_lab.plots import plot_timeline
+
+    steps = [
+        e["args"]["step"] for e in result.timeline if e["kind"] == "compute" and "step" in e.get("args", {})
+    ]
+    step = max(steps) if step is None else step
+    mine = [e for e in result.timeline if e.get("args", {}).get("step") == step]
+    t0, t1 = min(e["start"] for e in mine), max(e["end"] for e in mine)
+    events = [
+        e
+        for e in result.timeline
+        if e["start"] >= t0 - 1e-4 and e["end"] <= t1 + 1e-4 and e["name"] != "barrier"
+    ]
+    title = title or f"measured step {step}: bubble {measured_bubble(result, step):.1%}"
+    fig = plot_timeline(
+        events, ax=ax, world_size=result.world_size, title=title, color_by="name", labels=False
+    )
+    ax = fig.axes[0] if ax is None else ax
+    comp = [e for e in events if e["kind"] == "compute"]
+    if len(comp) <= 160:
+        for e in comp:
+            ax.text((e["start"] + e["end"]) / 2 * 1e3, e["rank"] + 0.25, str(e["args"]["mb"]),
+                    ha="center", va="center", fontsize=7, color="white", clip_on=True)  # fmt: skip
+    return fig

@@ -1,0 +1,44 @@
+"""Plots of a run: timeline (Gantt per rank), memory (stacked by category), bars.
+
+Every lesson reads the same three pictures: *when* each rank computed, talked or
+waited (timeline), *what* filled its memory over time (stacked areas, with the
+analytic prediction drawn over it), and predicted-vs-measured bars. One palette
+(`KIND_COLORS`, `CATEGORY_COLORS`) keeps them consistent from lesson to lesson.
+
+Invariant: every function takes a `RunResult` (anything with `.timeline`,
+`.memory`, `.world_size`, `.comm_bytes`) or the raw lists, draws with matplotlib
+only, and returns the Figure. Figures are made with pyplot, so a notebook shows
+one when it is assigned (`fig = plot_timeline(r)` or `_ = ...`); a bare trailing
+call shows it twice, as with any pyplot figure. Timelines batch every
+(rank, lane, colour) into one `broken_barh` collection, so thousands of spans
+cost a handful of artists.
+
+Read in this order:
+  base.py      the palette (`KIND_COLORS`, `CATEGORY_COLORS`), byte units, readers of run records
+  timeline.py  plot_timeline: one row per rank, compute and comm lanes, bubbles visible
+  memory.py    plot_memory: stacked live bytes by category, the prediction drawn over it
+  bars.py      predicted-vs-measured bars and bytes per collective
+  live.py      LiveRunView: the figure `launch(live=True)` redraws while ranks run
+
+This `__init__` is the public door.
+"""
+
+from parallel_lab.plots.bars import plot_comm_bytes, plot_predicted_vs_measured
+from parallel_lab.plots.base import CATEGORY_COLORS, KIND_COLORS, byte_unit, chrome_events, memory_of
+from parallel_lab.plots.live import LiveRunView
+from parallel_lab.plots.memory import draw_memory, plot_memory
+from parallel_lab.plots.timeline import plot_timeline
+
+__all__ = [
+    "CATEGORY_COLORS",
+    "KIND_COLORS",
+    "LiveRunView",
+    "byte_unit",
+    "chrome_events",
+    "draw_memory",
+    "memory_of",
+    "plot_comm_bytes",
+    "plot_memory",
+    "plot_predicted_vs_measured",
+    "plot_timeline",
+]

@@ -1,0 +1,224 @@
+"""What the plots share: the palette, byte units, and readers for their inputs.
+
+A timeline comes from a `RunResult`, a list of event dicts, or a Chrome trace
+(our own `save_chrome_trace` files, or `torch.profiler`'s `export_chrome_trace`).
+Invariant: whatever the source, the plots get events `{"rank", "name", "kind",
+"start", "end", "args"}` in seconds with `kind` in `trace.KINDS`, and samples
+`{"rank", "t", "label", "bytes": {category: int}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+from parallel_lab.runtime.trace import KINDS
+
+KIND_COLORS: dict[str, str] = {
+    "compute": "#4C72B0",
+    "comm": "#DD8452",
+    "optimizer": "#55A868",
+    "idle": "#D9D9D9",
+    "bubble": "#F4B6B6",
+    "memcpy": "#8172B3",
+    "other": "#937860",
+}
+CATEGORY_COLORS: dict[str, str] = {
+    "param": "#4C72B0",
+    "grad": "#CCB974",
+    "optim": "#55A868",
+    "activation": "#C44E52",
+    "comm": "#DD8452",
+    "other": "#8C8C8C",
+}
+UNITS = {
+    "B": 1,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+}
+
+
+def byte_unit(nbytes: float, unit: str = "auto") -> tuple[float, str]:
+    """(divisor, name) for showing `nbytes`: 'auto' picks B/KiB/MiB/GiB/TiB by size."""
+    if unit != "auto":
+        if unit not in UNITS:
+            raise ValueError(f"unit must be 'auto' or one of {sorted(UNITS)}, got {unit!r}")
+        return float(UNITS[unit]), unit
+    for name in ("TiB", "GiB", "MiB", "KiB"):
+        if abs(nbytes) >= UNITS[name]:
+            return float(UNITS[name]), name
+    return 1.0, "B"
+
+
+def time_window(t_min: float, t_max: float) -> tuple[float, float]:
+    """x limits in ms: from 0, unless the data starts late (start-up before the first
+    span, e.g. imports), then from the first point so the run fills the plot."""
+    if t_max <= t_min:
+        return (0.0, max(t_max, 1.0))
+    pad = 0.01 * (t_max - t_min)
+    left = 0.0 if t_min <= 0.05 * t_max else t_min - pad
+    return (left, t_max + pad)
+
+
+def new_axes(ax: Any, **fig_kw: Any) -> tuple[Any, Any]:
+    """(figure, axes): a new pyplot figure when `ax` is None, else the given axes' figure."""
+    if ax is None:
+        fig, ax = plt.subplots(layout="constrained", **fig_kw)
+        return fig, ax
+    return ax.figure, ax
+
+
+# Names that mark a span as communication in traces that do not say their kind.
+_COMM_WORDS = re.compile(
+    r"nccl|gloo|c10d|all_?reduce|all_?gather|reduce_?scatter|broadcast|all_?to_?all|barrier|send|recv",
+    re.IGNORECASE,
+)
+
+
+def timeline_of(obj: Any) -> tuple[list[dict], int | None]:
+    """(events, world_size or None) from a RunResult, an event list, or a Chrome trace dict/path."""
+    if isinstance(obj, (str, os.PathLike)):
+        with open(obj) as f:
+            obj = json.load(f)
+    if isinstance(obj, dict):
+        if "traceEvents" not in obj:
+            raise TypeError("a dict timeline must be a Chrome trace with a 'traceEvents' list")
+        return chrome_events(obj), _meta_world_size(obj)
+    if hasattr(obj, "timeline"):
+        return [_event(e) for e in obj.timeline], getattr(obj, "world_size", None)
+    if isinstance(obj, (list, tuple)):
+        return [_event(e) for e in obj], None
+    raise TypeError(
+        f"expected a RunResult, a list of events or a Chrome trace dict, got {type(obj).__name__}"
+    )
+
+
+def memory_of(obj: Any) -> tuple[list[dict], int | None]:
+    """(samples, world_size or None) from a RunResult, a sample list, or a Chrome trace dict/path."""
+    if isinstance(obj, (str, os.PathLike)):
+        with open(obj) as f:
+            obj = json.load(f)
+    if isinstance(obj, dict):
+        if "traceEvents" not in obj:
+            raise TypeError("a dict of memory samples must be a Chrome trace with a 'traceEvents' list")
+        samples = [
+            {"rank": int(e.get("pid", 0)), "t": e["ts"] / 1e6, "label": "", "bytes": dict(e.get("args", {}))}
+            for e in obj["traceEvents"]
+            if e.get("ph") == "C" and str(e.get("name", "")).startswith("memory")
+        ]
+        return [_sample(s) for s in samples], _meta_world_size(obj)
+    if hasattr(obj, "memory"):
+        return [_sample(s) for s in obj.memory], getattr(obj, "world_size", None)
+    if isinstance(obj, (list, tuple)):
+        return [_sample(s) for s in obj], None
+    raise TypeError(
+        f"expected a RunResult, a list of memory samples or a Chrome trace, got {type(obj).__name__}"
+    )
+
+
+def chrome_events(trace: dict) -> list[dict]:
+    """Complete ("X") events of a Chrome trace as timeline events.
+
+    Rows: a process named "rank N" is rank N; otherwise small integer pids are
+    ranks; otherwise pids are numbered in order. Kind: the event's `cat` when it is
+    one of ours, else "comm" for collective-looking names, "memcpy" for copies,
+    "optimizer" for optimizer steps, "compute" for the rest. Foreign traces (no
+    "parallel_lab" key) are shifted to start at 0.
+    """
+    raw = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "ts" in e]
+    named: dict[Any, int] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            m = re.fullmatch(r"\s*rank\s*(\d+)\s*", str(e.get("args", {}).get("name", "")))
+            if m:
+                named[e.get("pid")] = int(m.group(1))
+    pids = sorted({e.get("pid", 0) for e in raw}, key=str)
+    if pids and all(p in named for p in pids):
+        rank_of = named
+    elif all(isinstance(p, int) and 0 <= p < 1024 for p in pids):
+        rank_of = {p: p for p in pids}
+    else:
+        rank_of = {p: i for i, p in enumerate(pids)}
+    shift = 0.0 if "parallel_lab" in trace or not raw else min(float(e["ts"]) for e in raw)
+    out = []
+    for e in raw:
+        start = (float(e["ts"]) - shift) / 1e6
+        out.append(
+            {
+                "rank": rank_of[e.get("pid", 0)],
+                "name": str(e.get("name", "?")),
+                "kind": _kind_of(e),
+                "start": start,
+                "end": start + float(e.get("dur", 0.0)) / 1e6,
+                "args": e.get("args", {}),
+            }
+        )
+    return out
+
+
+def _kind_of(e: dict) -> str:
+    cat, name = str(e.get("cat", "")), str(e.get("name", ""))
+    if cat in KINDS:
+        return cat
+    if "memcpy" in cat.lower() or "memcpy" in name.lower():
+        return "memcpy"
+    if _COMM_WORDS.search(name):
+        return "comm"
+    if "optimizer" in name.lower():
+        return "optimizer"
+    return "compute"
+
+
+def _meta_world_size(trace: dict) -> int | None:
+    ws = (trace.get("parallel_lab") or {}).get("world_size")
+    return int(ws) if ws else None
+
+
+def _event(e: Any) -> dict:
+    if not isinstance(e, dict) or "start" not in e or "end" not in e:
+        raise TypeError(f"a timeline event must be a dict with 'start' and 'end' (seconds), got {e!r:.80}")
+    kind = e.get("kind", "other")
+    rank = e.get("rank", 0)
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"event rank must be an int >= 0, got {rank!r}")
+    return {
+        "rank": rank,
+        "name": str(e.get("name", "?")),
+        "kind": kind if kind in KINDS else "other",
+        "start": float(e["start"]),
+        "end": float(e["end"]),
+        "args": e.get("args", {}),
+    }
+
+
+def _sample(s: Any) -> dict:
+    if not isinstance(s, dict) or "t" not in s or not isinstance(s.get("bytes"), dict):
+        raise TypeError(
+            f"a memory sample must be a dict with 't' and 'bytes' {{category: int}}, got {s!r:.80}"
+        )
+    return {
+        "rank": int(s.get("rank", 0)),
+        "t": float(s["t"]),
+        "label": s.get("label", ""),
+        "bytes": {str(k): int(v) for k, v in s["bytes"].items()},
+    }
+
+
+def bytes_value(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
+        raise TypeError(f"{what} must be a number of bytes, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{what} must be a finite number of bytes >= 0, got {v}")
+    return v

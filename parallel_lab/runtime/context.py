@@ -1,0 +1,111 @@
+"""The run context every rank receives, and the errors a launch can raise.
+
+`Context` is the one explicit object passed down to every technique: who this
+rank is, where it computes, where it records. `_make_context` builds it the same
+way for `launch` (forked ranks) and `run_from_env` (torchrun / accelerate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from parallel_lab.runtime import device as mesh
+from parallel_lab.runtime.trace import Recorder
+
+
+class RankError(RuntimeError):
+    """A rank raised: carries the rank and its formatted traceback."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, tb: str):
+        self.rank, self.exc_type, self.remote_traceback = rank, exc_type, tb
+        super().__init__(
+            f"rank {rank} raised {exc_type}: {message}\n\n--- traceback from rank {rank} ---\n{tb}"
+        )
+
+
+class LaunchTimeout(TimeoutError):
+    """The run did not finish in time: names the stuck ranks and their last collective."""
+
+    def __init__(
+        self, timeout: float, stuck: dict[int, str | None], starting: set[int] | frozenset = frozenset()
+    ):
+        self.stuck, self.starting = stuck, set(starting)
+        parts = [
+            f"rank {r} (still joining the process group)"
+            if r in self.starting
+            else f"rank {r} (last collective entered: {op or 'none'})"
+            for r, op in sorted(stuck.items())
+        ]
+        hint = (
+            " A mismatched collective (ranks calling different ops or sizes) is the usual cause."
+            if len(self.starting) < len(stuck)
+            else " No rank finished joining: the machine may be overloaded; try a larger timeout."
+        )
+        super().__init__(
+            f"run did not finish within timeout={timeout:g} s; stuck: " + ", ".join(parts) + "." + hint
+        )
+
+
+@dataclass
+class Context:
+    """What every rank's function receives as its first argument."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    recorder: Recorder
+    seed: int = 0
+    group: Any = None  # None means the default (world) group
+    memory: Any = None  # memory.MemoryTracker when launched with track_memory=True
+    check_shapes: bool = True  # comms verify shapes agree across ranks before a collective
+    mesh: Any = None  # ParallelDims / device mesh for lessons that build one
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Print from rank 0 only."""
+        if self.rank == 0:
+            print(*args, **kwargs, flush=True)
+
+    def span(self, name: str, kind: str = "compute", **args: Any):
+        """Time a region on this rank's timeline (context manager)."""
+        return self.recorder.span(name, kind, **args)
+
+
+def _make_context(rank, world_size, local_rank, backend, t0, seed, sink, check_shapes, track_memory):
+    device = mesh.device_for(backend, local_rank)
+    rec = Recorder(rank=rank, t0=t0, sink=sink)
+    ctx = Context(rank, world_size, local_rank, device, backend, rec, seed=seed, check_shapes=check_shapes)
+    if track_memory:
+        from parallel_lab.runtime.memory import MemoryTracker
+
+        ctx.memory = rec.memory = MemoryTracker(device)
+    torch.manual_seed(seed)  # replicated weights share a seed; data should use seed + rank
+    return ctx
+
+
+def _run_fn(ctx: Context, fn, args, kwargs):
+    if ctx.memory is None:
+        return fn(ctx, *args, **kwargs)
+    ctx.memory.start()
+    try:
+        ctx.recorder.sample_memory("start")
+        out = fn(ctx, *args, **kwargs)
+        ctx.recorder.sample_memory("end")
+        return out
+    finally:
+        ctx.memory.stop()
+
+
+def _to_cpu(x: Any) -> Any:
+    """Results travel to the parent; CUDA tensors must not (they would init CUDA there)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        return type(x)(_to_cpu(v) for v in x)
+    if isinstance(x, dict) and type(x) is dict:
+        return {k: _to_cpu(v) for k, v in x.items()}
+    return x

@@ -1,0 +1,105 @@
+"""run_from_env: the script-side twin of `launch`, for torchrun and accelerate launch; run_script: both."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel_lab.runtime import device as mesh
+from parallel_lab.runtime.context import _make_context, _run_fn, _to_cpu
+from parallel_lab.runtime.launch import launch
+from parallel_lab.runtime.result import RunResult
+
+
+def run_from_env(
+    fn: Callable[..., Any],
+    *args: Any,
+    trace_path: str | None = None,
+    backend: str = "auto",
+    track_memory: bool = False,
+    seed: int = 0,
+    check_shapes: bool = True,
+    **kwargs: Any,
+) -> RunResult | None:
+    """The script-side twin of `launch`, for `torchrun` and `accelerate launch`.
+
+    Reads RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT) from the
+    environment, runs `fn(ctx, ...)`, gathers every rank's events to rank 0, which
+    writes `trace_path` (loadable with `RunResult.load`) and returns the result.
+    Other ranks return None.
+    """
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise RuntimeError(
+                f"environment variable {var} is not set: start this script with torchrun or accelerate launch"
+            )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if backend == "auto":
+        backend = "nccl" if mesh.gpu_count() >= local_world and mesh.default_backend() == "nccl" else "gloo"
+    torch.set_num_threads(max(1, mesh.cpu_cores() // local_world))
+    # torch._dynamo (imported by the first optimizer a script builds) keeps a reference to a process
+    # group that exists when it is imported, so destroy_process_group no longer joins gloo's worker
+    # threads; one of them then frees a finished op's tensors during interpreter shutdown and the
+    # rank aborts ("terminate called without an active exception"). Imported first, it holds none.
+    importlib.import_module("torch._dynamo")
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    # Align clocks: every rank leaves the barrier at (nearly) the same moment.
+    dist.barrier()
+    t0 = time.perf_counter()
+    ctx = _make_context(rank, world_size, local_rank, backend, t0, seed, None, check_shapes, track_memory)
+    start = time.perf_counter()
+    value = _run_fn(ctx, fn, args, kwargs)
+    wall = time.perf_counter() - start
+    rec = ctx.recorder
+    gathered: list[Any] = [None] * world_size
+    dist.gather_object(
+        (_to_cpu(value), rec.events, rec.samples, rec.comm_totals()), gathered if rank == 0 else None, dst=0
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    result = RunResult(
+        values=[g[0] for g in gathered],
+        timeline=sorted((e for g in gathered for e in g[1]), key=lambda e: (e["start"], e["rank"])),
+        memory=sorted((s for g in gathered for s in g[2]), key=lambda s: (s["t"], s["rank"])),
+        comm_bytes=[g[3] for g in gathered],
+        wall_time=wall,
+        world_size=world_size,
+        backend=backend,
+    )
+    if trace_path:
+        result.save_chrome_trace(trace_path)
+    return result
+
+
+def run_script(
+    fn: Callable[..., Any],
+    *args: Any,
+    nproc: int,
+    trace_path: str,
+    track_memory: bool = False,
+    timeout: float = 120.0,
+    threads: int | None = None,
+    **kwargs: Any,
+) -> RunResult | None:
+    """How every lesson script runs `fn(ctx, *args, **kwargs)`, with or without a launcher.
+
+    Under torchrun / accelerate launch (RANK is set) this process is one rank
+    (`run_from_env`); run plainly, it starts `nproc` local ranks with `launch`
+    (`timeout` and `threads` apply to that case only). Either way rank 0 gets the
+    RunResult, its trace written to `trace_path`; the other ranks get None.
+    """
+    if "RANK" in os.environ:
+        return run_from_env(fn, *args, trace_path=trace_path, track_memory=track_memory, **kwargs)
+    result = launch(fn, nproc, *args, track_memory=track_memory, timeout=timeout, threads=threads, **kwargs)
+    result.save_chrome_trace(trace_path)
+    return result

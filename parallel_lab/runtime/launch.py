@@ -1,0 +1,312 @@
+"""launch(): run one function on N real processes from a notebook cell or a script.
+
+Ranks meet through a FileStore in a fresh temporary folder (no port to pick, so two
+notebooks launching at once never collide, and no store thread running in the
+parent when it forks: a TCPStore served from the parent hung ~3% of forked
+start-ups on a lock copied mid-use). The parent forks the ranks (fast, and forked
+children see functions defined in `__main__`, i.e. in notebook cells), streams
+their events back over one queue for live plots, and turns every way a run can go
+wrong into one clear exception in the parent.
+
+Invariant: when `launch` returns or raises, no rank process is left alive.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel_lab.runtime import device as mesh
+from parallel_lab.runtime.context import Context, LaunchTimeout, RankError, _make_context, _run_fn, _to_cpu
+from parallel_lab.runtime.processes import _drain, _reap, _root_cause
+from parallel_lab.runtime.result import RunResult
+
+#: A launch asks for at most this many ranks: beyond it a laptop thrashes, and
+#: every lesson is written for 1..8.
+MAX_WORLD_SIZE = 64
+START_METHODS = ("auto", "fork", "spawn")
+
+
+# ---------------------------------------------------------------------------- validation
+def _check_args(fn, world_size, timeout, backend, start_method, threads) -> None:
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (a function taking ctx first), got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if backend not in mesh.BACKENDS:
+        raise ValueError(f"backend must be one of {mesh.BACKENDS}, got {backend!r}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
+
+
+# ---------------------------------------------------------------------------- the rank side
+class _QueueWriter:
+    """stdout/stderr of a rank, forwarded to the parent so prints land in the notebook cell.
+
+    Line-buffered: `print(a, b)` is several writes, and sent one by one they would interleave
+    with another rank's line in the parent. Whole lines are sent as one message each."""
+
+    def __init__(self, q, stream: str, rank: int):
+        self.q, self.stream, self.rank = q, stream, rank
+        self._pending = ""
+
+    def write(self, s: str) -> int:
+        self._pending += s
+        if "\n" in self._pending:
+            lines, _, self._pending = self._pending.rpartition("\n")
+            self.q.put(("text", {"rank": self.rank, "stream": self.stream, "text": lines + "\n"}))
+        return len(s)
+
+    def flush(self) -> None:
+        if self._pending:
+            self.q.put(("text", {"rank": self.rank, "stream": self.stream, "text": self._pending}))
+            self._pending = ""
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _user_traceback(e: BaseException) -> str:
+    """The rank's traceback without the launcher's own frames: the learner's code is the story."""
+    te = traceback.TracebackException.from_exception(e)
+    here = os.path.abspath(__file__)
+    frames = [f for f in te.stack if os.path.abspath(f.filename) != here]
+    te.stack = traceback.StackSummary.from_list(frames)
+    return "".join(te.format())
+
+
+def _die_with_parent() -> None:
+    """Linux: ask the kernel to kill this rank if the parent (the notebook kernel) dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+
+
+def _worker(
+    rank, world_size, store_path, backend, t0, seed, threads, timeout, check_shapes, track_memory, q, payload
+):
+    _die_with_parent()
+    sys.stdout = _QueueWriter(q, "stdout", rank)
+    sys.stderr = _QueueWriter(q, "stderr", rank)
+    try:
+        if isinstance(payload, bytes):  # spawn: the function came by value
+            import cloudpickle
+
+            payload = cloudpickle.loads(payload)
+        fn, args, kwargs = payload
+        torch.set_num_threads(threads)
+        store = dist.FileStore(store_path, world_size)
+        # The process group waits a little longer than the parent, so the parent's
+        # diagnosis (which rank is stuck where) wins over gloo's generic timeout.
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout + 10)
+        )
+        q.put(("ready", {"rank": rank}))
+        ctx = _make_context(
+            rank, world_size, rank, backend, t0, seed, lambda w, p: q.put((w, p)), check_shapes, track_memory
+        )
+        value = _run_fn(ctx, fn, args, kwargs)
+        # Pickled here, by value: through the queue torch would share tensors by file
+        # descriptor, which dies with this process if it exits before the parent reads.
+        blob = pickle.dumps(_to_cpu(value), protocol=pickle.HIGHEST_PROTOCOL)
+        q.put(("result", {"rank": rank, "value": blob, "comm": ctx.recorder.comm_totals()}))
+        try:
+            dist.barrier()  # nobody tears down sockets a peer still reads from
+            dist.destroy_process_group()
+        except Exception:
+            pass
+        code = 0
+    except BaseException as e:  # noqa: BLE001 - everything must reach the parent
+        tb = _user_traceback(e)
+        try:
+            q.put(("error", {"rank": rank, "type": type(e).__name__, "message": str(e), "traceback": tb}))
+        except Exception:
+            pass
+        code = 1
+    for w in (sys.stdout, sys.stderr):
+        try:
+            w.flush()
+        except Exception:
+            pass
+    q.close()
+    q.join_thread()
+    os._exit(code)  # skip the parent's atexit handlers (a forked notebook kernel has many)
+
+
+# ---------------------------------------------------------------------------- the parent side
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "auto",
+    timeout: float = 120.0,
+    live: bool = False,
+    track_memory: bool = False,
+    seed: int = 0,
+    threads: int | None = None,
+    start_method: str = "auto",
+    check_shapes: bool = True,
+    **kwargs: Any,
+) -> RunResult:
+    """Run `fn(ctx, *args, **kwargs)` on `world_size` ranks and return a `RunResult`.
+
+    backend "auto" picks NCCL with one GPU per rank where enough GPUs exist, else
+    gloo on CPU. `live=True` draws the timeline (and memory, with
+    `track_memory=True`) while the run goes, in a notebook. `threads`: torch threads
+    per rank; forked ranks use 1 (OpenMP pools do not survive fork), so asking for more
+    starts ranks with spawn instead (slower to start: each imports torch).
+    """
+    import multiprocessing as mp
+
+    _check_args(fn, world_size, timeout, backend, start_method, threads)
+    backend = mesh.resolve_backend(backend, world_size)
+    can_fork = sys.platform.startswith("linux") and not mesh.cuda_initialized()
+    if start_method == "auto":
+        # fork is unsafe once CUDA is initialised here, and unavailable off Linux. Forked
+        # ranks must also stay single-threaded: GNU OpenMP's thread pool does not survive
+        # fork, so a forked rank's first multi-threaded op would hang forever once this
+        # process has done any threaded math. Asking for threads > 1 therefore spawns.
+        start_method = "fork" if can_fork and (threads is None or threads == 1) else "spawn"
+    elif start_method == "fork" and threads is not None and threads > 1:
+        raise ValueError(
+            f"threads={threads} needs start_method='spawn' (or 'auto'): OpenMP thread pools do not survive fork"
+        )
+    if threads is None:
+        threads = 1 if start_method == "fork" else max(1, mesh.cpu_cores() // world_size)
+    mpctx = mp.get_context(start_method)
+    if start_method == "fork":
+        _warm_imports()
+    payload: Any = (fn, args, kwargs)
+    if start_method == "spawn":
+        import cloudpickle
+
+        payload = cloudpickle.dumps(payload)
+
+    tmpdir = tempfile.mkdtemp(prefix="parallel_lab-")
+    store_path = os.path.join(tmpdir, "store")
+    q = mpctx.Queue()
+    t0 = time.perf_counter()
+    procs = [
+        mpctx.Process(
+            target=_worker,
+            args=(
+                r,
+                world_size,
+                store_path,
+                backend,
+                t0,
+                seed,
+                threads,
+                timeout,
+                check_shapes,
+                track_memory,
+                q,
+                payload,
+            ),
+            daemon=True,
+            name=f"parallel_lab-rank{r}",
+        )
+        for r in range(world_size)
+    ]
+    view = None
+    if live:
+        from parallel_lab.plots import LiveRunView
+
+        view = LiveRunView(world_size, timeline=True, memory=track_memory)
+    timeline: list[dict] = []
+    memory: list[dict] = []
+    values: dict[int, Any] = {}
+    comm: dict[int, dict] = {}
+    last_op: dict[int, str | None] = dict.fromkeys(range(world_size))
+    ready: set[int] = set()  # ranks whose process group is up
+    try:
+        for p in procs:
+            p.start()
+        deadline = t0 + timeout
+        # A rank puts its last message and flushes the queue before it exits, so once a rank is
+        # seen dead, the next empty drain proves it said nothing more: no grace period to guess.
+        seen_dead: set[int] = set()
+        while len(values) < world_size:
+            batch = _drain(q)
+            for i, (what, msg) in enumerate(batch):
+                if what == "event":
+                    timeline.append(msg)
+                elif what == "memory":
+                    memory.append(msg)
+                elif what == "reset":  # a rank forgot its warm-up: forget what it streamed
+                    timeline[:] = [e for e in timeline if e["rank"] != msg["rank"]]
+                    memory[:] = [m for m in memory if m["rank"] != msg["rank"]]
+                elif what == "ready":
+                    ready.add(msg["rank"])
+                elif what == "enter":
+                    last_op[msg["rank"]] = msg["op"]
+                elif what == "text":
+                    (sys.stdout if msg["stream"] == "stdout" else sys.stderr).write(msg["text"])
+                elif what == "result":
+                    values[msg["rank"]] = pickle.loads(msg["value"])
+                    comm[msg["rank"]] = msg["comm"]
+                elif what == "error":
+                    raise _root_cause(msg, q, procs, set(values), later=batch[i + 1 :])
+            now = time.perf_counter()
+            if not batch:
+                for r in seen_dead - set(values):  # dead at the previous drain, silent since
+                    raise RankError(r, "ProcessDied", f"exited with code {procs[r].exitcode} without returning",
+                                    "(no Python traceback: the process was killed or crashed)")  # fmt: skip
+                seen_dead = {r for r, p in enumerate(procs) if r not in values and not p.is_alive()}
+            if now > deadline:
+                stuck = {r: last_op[r] for r in range(world_size) if r not in values}
+                raise LaunchTimeout(timeout, stuck, starting=set(stuck) - ready)
+            if view is not None:
+                view.update(timeline, memory)  # rate-limited inside: cheap when it does not draw
+    finally:
+        _reap(procs, graceful=len(values) == world_size)
+        if view is not None:
+            view.finish(timeline, memory)
+        q.close()
+        q.cancel_join_thread()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    timeline.sort(key=lambda e: (e["start"], e["rank"]))
+    memory.sort(key=lambda s: (s["t"], s["rank"]))
+    return RunResult(
+        values=[values[r] for r in range(world_size)],
+        timeline=timeline,
+        memory=memory,
+        comm_bytes=[comm[r] for r in range(world_size)],
+        wall_time=time.perf_counter() - t0,
+        world_size=world_size,
+        backend=backend,
+    )
+
+
+def _warm_imports() -> None:
+    """Import once in the parent what every rank would otherwise import on its own.
+
+    The first optimizer built in a process imports torch._dynamo (optimizer methods
+    are wrapped by torch._disable_dynamo): ~1-3 s, paid by every forked rank at once
+    on a laptop's few cores. Imported here, forked ranks inherit it for free."""
+    import torch._dynamo  # noqa: F401
+
+
+__all__ = ["Context", "LaunchTimeout", "RankError", "RunResult", "launch"]

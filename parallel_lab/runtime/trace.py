@@ -1,0 +1,162 @@
+"""Recorder: per-rank timeline spans, memory samples and byte counts.
+
+Every rank owns one `Recorder`. Spans are written in the Chrome trace event model
+(complete events, "X") so a run can be opened in Perfetto; the same events stream
+to the parent process while the run goes, which is what the live plots draw.
+
+Invariant: every timestamp is seconds since the launch's common `t0` on one
+monotonic clock (CLOCK_MONOTONIC is system-wide on Linux, so forked ranks on one
+machine agree; scripts align ranks with one broadcast at start-up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Span kinds the plots know how to colour; anything else is drawn as "other".
+KINDS = ("compute", "comm", "optimizer", "idle", "bubble", "memcpy", "other")
+
+#: Memory categories (runtime/memory.py tracks these; plots stack them in this order).
+CATEGORIES = ("param", "grad", "optim", "activation", "comm", "other")
+
+
+@dataclass
+class Recorder:
+    """Collects what one rank did and when.
+
+    `sink` (set by the launcher) receives every finished event and memory sample
+    as it happens, so the parent can redraw live; `memory` (a `memory.MemoryTracker`
+    or anything with `.snapshot() -> dict[str, int]`) is sampled at span
+    boundaries when present.
+    """
+
+    rank: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+    sink: Callable[[str, dict], None] | None = None
+    memory: Any = None
+    enabled: bool = True
+    events: list[dict] = field(default_factory=list)
+    samples: list[dict] = field(default_factory=list)
+    comm: dict[str, dict[str, int]] = field(default_factory=dict)
+    last_comm: str | None = None
+
+    def now(self) -> float:
+        """Seconds since the launch's common t0."""
+        return time.perf_counter() - self.t0
+
+    # -- spans -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def span(self, name: str, kind: str = "compute", **args: Any) -> Iterator[dict]:
+        """Time a region. Yields the event's `args` dict so callers can add to it."""
+        if not self.enabled:
+            yield args
+            return
+        if kind == "comm":
+            self.enter_comm(name)
+        self.sample_memory(f"{name}:begin")
+        start = self.now()
+        try:
+            yield args
+        finally:
+            end = self.now()
+            self.add_event(name, kind, start, end, **args)
+            self.sample_memory(f"{name}:end")
+
+    def add_event(self, name: str, kind: str, start: float, end: float, **args: Any) -> dict:
+        """Record a finished span (used directly by async collectives: issue -> wait)."""
+        ev = {"rank": self.rank, "name": name, "kind": kind, "start": start, "end": end, "args": args}
+        if self.enabled:
+            self.events.append(ev)
+            self._emit("event", ev)
+        return ev
+
+    def enter_comm(self, op: str) -> None:
+        """Note that this rank entered a collective; the launcher reports it on a hang."""
+        self.last_comm = op
+        self._emit("enter", {"rank": self.rank, "op": op, "t": self.now()})
+
+    # -- bytes -----------------------------------------------------------------
+    def count_bytes(self, op: str, sent: int, recv: int) -> None:
+        """Add one call of `op` that sent/received this many payload bytes."""
+        c = self.comm.setdefault(op, {"sent": 0, "recv": 0, "calls": 0})
+        c["sent"] += int(sent)
+        c["recv"] += int(recv)
+        c["calls"] += 1
+
+    def comm_totals(self) -> dict:
+        """{'sent': n, 'recv': n, 'by_op': {...}} for this rank."""
+        return {
+            "sent": sum(c["sent"] for c in self.comm.values()),
+            "recv": sum(c["recv"] for c in self.comm.values()),
+            "by_op": {k: dict(v) for k, v in self.comm.items()},
+        }
+
+    def reset(self) -> None:
+        """Forget events, samples and counts (e.g. after a warm-up step)."""
+        self.events.clear()
+        self.samples.clear()
+        self.comm.clear()
+        self._emit("reset", {"rank": self.rank})  # the launcher drops what it already streamed
+
+    # -- memory ----------------------------------------------------------------
+    def sample_memory(self, label: str = "") -> dict | None:
+        """Take one memory sample if a tracker is attached."""
+        if self.memory is None or not self.enabled:
+            return None
+        snap = self.memory.snapshot()
+        s = {"rank": self.rank, "t": self.now(), "label": label, "bytes": snap}
+        self.samples.append(s)
+        self._emit("memory", s)
+        return s
+
+    def _emit(self, what: str, payload: dict) -> None:
+        if self.sink is not None:
+            self.sink(what, payload)
+
+
+def chrome_trace(timeline: list[dict], memory: list[dict], meta: dict | None = None) -> dict:
+    """Build a Chrome/Perfetto trace: one process per rank, a compute and a comm lane,
+    memory as counter tracks. Our own data rides along under "parallel_lab" so
+    `RunResult.load` can read the file back losslessly."""
+    lane = {"comm": 2, "memcpy": 2}
+    ev: list[dict] = []
+    ranks = sorted({e["rank"] for e in timeline} | {s["rank"] for s in memory})
+    for r in ranks:
+        ev.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+        ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 1, "args": {"name": "compute"}})
+        ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 2, "args": {"name": "comm"}})
+    for e in timeline:
+        ev.append(
+            {
+                "ph": "X",
+                "name": e["name"],
+                "cat": e["kind"],
+                "pid": e["rank"],
+                "tid": lane.get(e["kind"], 1),
+                "ts": e["start"] * 1e6,
+                "dur": max(0.0, e["end"] - e["start"]) * 1e6,
+                "args": _jsonable(e.get("args", {})),
+            }
+        )
+    for s in memory:
+        ev.append(
+            {
+                "ph": "C",
+                "name": "memory (bytes)",
+                "pid": s["rank"],
+                "ts": s["t"] * 1e6,
+                "args": dict(s["bytes"]),
+            }
+        )
+    return {"traceEvents": ev, "displayTimeUnit": "ms", "parallel_lab": meta or {}}
+
+
+def _jsonable(d: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        out[k] = v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else str(v)
+    return out

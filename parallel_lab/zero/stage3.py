@@ -1,0 +1,266 @@
+"""ZeRO stage 3: parameters sharded too, gathered unit by unit just before use and freed just after.
+
+Rajbhandari et al. 2020, "ZeRO", §5.3 (P_os+g+p) and §7.2.3 (1.5x communication); seed
+000 ZeRO-Stage3 and "overlapping". Between steps a rank holds only its (S,) slice of the
+parameters, gradients and optimizer states: 16Ψ/N bytes with mixed-precision Adam.
+
+A step, for units u = root, blocks.0, blocks.1, ... (`zero.layout.group_params`):
+- forward: before unit u runs (a forward pre-hook) its parameters are all-gathered into a
+  fresh buffer and the module's Parameters become views of it; the NEXT unit's all-gather
+  is issued right away (async), so it travels while u computes; after u (a forward hook)
+  the views are dropped and the buffer freed. Tensors autograd saves for backward that
+  live in the buffer (weights, their transposes) are not kept: a saved-tensor hook stores
+  (unit, shape, stride, offset) instead and rebuilds the view from the re-gathered buffer
+  in backward. That is what makes "freed" real: nothing pins the gathered bytes.
+- backward: a hook on each unit's output fires before the unit's backward: gather it
+  again (usually already prefetched) and prefetch the previous unit. When the unit's last
+  gradient is accumulated, `GradReducer` reduce-scatters the unit's gradients into the
+  (S,) slice, frees the full gradients, and the unit's parameters are freed.
+- step: each rank updates its slice with its optimizer states. Nothing to all-gather:
+  the next forward gathers what it needs.
+
+Per rank per step this moves 3 x (P - S) elements each way (gather in forward, again in
+backward, reduce-scatter): 1.5x plain DP's ring all-reduce.
+
+Invariant: outside a unit's forward/backward its Parameters are empty placeholders and no
+gathered byte of it is alive; `full_parameters()` gathers the real values for inspection.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from parallel_lab.zero.comm import GradReducer, _label, all_gather_pieces
+from parallel_lab.zero.optimizer import ZeroBase, _zero_shard
+
+
+class _Packed:
+    """A saved tensor that was a view of unit `u`'s gathered buffer: where, not what."""
+
+    __slots__ = ("offset", "size", "stride", "u")
+
+    def __init__(self, u: int, t: torch.Tensor) -> None:
+        self.u, self.size, self.stride, self.offset = u, t.size(), t.stride(), t.storage_offset()
+
+
+class Zero3(ZeroBase):
+    """ZeRO stage 3 over `model` on every rank of `group` (see the module docstring).
+
+    `Zero3(ctx, model, optimizer="adam", lr=1e-3)`, then `loss = model(...)`, `loss.backward()`,
+    `zero.step()`, `zero.zero_grad()`. `units` default to the children of every
+    `nn.ModuleList`; parameters outside them (or shared between them, like tied
+    embeddings) form the root unit. `prefetch=False` gathers each unit only when needed.
+    """
+
+    GATHER_TAG = 1 << 21  # all-gather tags: GATHER_TAG + unit
+
+    def __init__(self, ctx, model: nn.Module, optimizer: Any = "adam", precision: str = "fp32",
+                 units: list[nn.Module] | None = None, prefetch: bool = True, group=None,
+                 **optim_kwargs: Any) -> None:  # fmt: skip
+        super().__init__(ctx, model, 3, optimizer, precision, units, group, optim_kwargs)
+        self.prefetch = bool(prefetch)
+        n_units = len(self.groups.params)
+        self.bufs: list[torch.Tensor | None] = [None] * n_units
+        self.pending: list[Any] = [None] * n_units
+        self._ptr2unit: dict[int, int] = {}
+        self._t0 = [0.0] * n_units
+        self._in_backward = [False] * n_units
+        self._saved_hooks = None
+        self._placeholder = torch.empty(0, dtype=self.states.shard.dtype, device=self.device)
+        self._shapes = [p.shape for p in self.groups.flat]
+        self._unit_of = [u for u in range(n_units) for _ in self.layout.unit_params(u)]
+        for p in self.groups.flat:
+            p.data = self._placeholder  # the original full tensors are released here
+        self.reducer = GradReducer(ctx, self.groups.params, self.layout, self.states, self.rank,
+                                   group, on_unit_ready=self._unit_backward_done, names=self.groups.names,
+                                   on_backward_end=self._backward_end)  # fmt: skip
+        mods = self.groups.modules
+        self._hooks = [
+            mods[0].register_forward_pre_hook(self._root_pre),
+            mods[0].register_forward_hook(self._root_post),
+        ]
+        for u in range(1, n_units):
+            self._hooks.append(mods[u].register_forward_pre_hook(partial(self._unit_pre, u)))
+            self._hooks.append(mods[u].register_forward_hook(partial(self._unit_post, u)))
+        self._signature = self._model_signature()
+        self._register_memory()
+
+    # -- gather / free -----------------------------------------------------------
+    def _issue(self, u: int) -> None:
+        """Start all-gathering unit u into a fresh buffer (no-op if it is gathered or on its way)."""
+        if self.bufs[u] is not None:
+            return
+        a, b = self.layout.unit_range(u)
+        lo, hi = self.layout.pieces(u)[self.rank]
+        s = self.rank * self.layout.shard
+        with _label(self.ctx.memory, "param"):
+            buf = torch.empty(b - a, dtype=self.states.shard.dtype, device=self.device)  # (unit,)
+        mine = self.states.shard.detach()[lo - s : hi - s]
+        self.pending[u] = all_gather_pieces(self.ctx, mine, self.layout.pieces(u), buf, a, self.group,
+                                            self.GATHER_TAG + u)  # fmt: skip
+        self.bufs[u] = buf
+        self._ptr2unit[buf.untyped_storage().data_ptr()] = u
+
+    def _ensure(self, u: int) -> None:
+        """Unit u gathered (waiting for its prefetch if one is in flight) and its Parameters bound."""
+        if self.bufs[u] is None:
+            self._issue(u)
+        if self.pending[u] is not None:
+            self.pending[u].wait()
+            self.pending[u] = None
+            a = self.layout.unit_range(u)[0]
+            off = self.layout.offsets()
+            for i in self.layout.unit_params(u):
+                p = self.groups.flat[i]
+                p.data = self.bufs[u][off[i] - a : off[i + 1] - a].view(self._shapes[i])
+            self.ctx.recorder.sample_memory(f"gathered {self.groups.names[u]}")
+
+    def _free(self, u: int) -> None:
+        """Drop unit u's gathered buffer: its Parameters go back to empty placeholders."""
+        if self.bufs[u] is None:
+            return
+        if self.pending[u] is not None:  # a prefetch nobody used: finish its messages first
+            self.pending[u].wait()
+            self.pending[u] = None
+        for i in self.layout.unit_params(u):
+            self.groups.flat[i].data = self._placeholder
+        del self._ptr2unit[self.bufs[u].untyped_storage().data_ptr()]
+        self.bufs[u] = None
+        self.ctx.recorder.sample_memory(f"freed {self.groups.names[u]}")
+
+    # -- saved tensors: keep where, not what ------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return t
+        u = self._ptr2unit.get(st.data_ptr()) if st.nbytes() else None
+        return t if u is None else _Packed(u, t)
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if isinstance(x, _Packed):
+            self._ensure(x.u)  # normally gathered already by the pre-backward hook
+            return self.bufs[x.u].as_strided(x.size, x.stride, x.offset)
+        return x
+
+    # -- hooks -------------------------------------------------------------------
+    def _root_pre(self, module, args) -> None:
+        self._check_model()
+        if self._saved_hooks is not None:  # a forward that raised left it on: drop it
+            self._saved_hooks.__exit__(None, None, None)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+        self._ensure(0)
+        if self.prefetch and len(self.bufs) > 1:
+            self._issue(1)
+
+    def _root_post(self, module, args, output) -> None:
+        self._saved_hooks.__exit__(None, None, None)
+        self._saved_hooks = None
+        self._after_forward(0, output)
+
+    def _unit_pre(self, u: int, module, args) -> None:
+        self._ensure(u)
+        if self.prefetch and u + 1 < len(self.bufs):
+            self._issue(u + 1)  # travels while unit u computes
+        self._t0[u] = self.ctx.recorder.now()
+
+    def _unit_post(self, u: int, module, args, output) -> None:
+        rec = self.ctx.recorder
+        rec.add_event(f"forward {self.groups.names[u]}", "compute", self._t0[u], rec.now())
+        self._after_forward(u, output)
+
+    def _after_forward(self, u: int, output: Any) -> None:
+        outs = [t for t in _tensors(output) if t.requires_grad]
+        if torch.is_grad_enabled() and outs:
+            for t in outs:
+                t.register_hook(partial(self._pre_backward, u))
+        self._free(u)
+
+    def _pre_backward(self, u: int, grad: torch.Tensor) -> None:
+        if self._in_backward[u]:
+            return  # a unit with several outputs: once is enough
+        self._in_backward[u] = True
+        self.reducer.ensure_callback()
+        self._ensure(u)
+        self.reducer.attach(u)  # gradients land in one flat buffer, ready to reduce-scatter
+        if self.prefetch:
+            prev = len(self.bufs) - 1 if u == 0 else u - 1  # backward walks the units in reverse
+            if prev >= 1:
+                self._issue(prev)
+        self._t0[u] = self.ctx.recorder.now()
+
+    def _unit_backward_done(self, u: int) -> None:
+        if u > 0:
+            rec = self.ctx.recorder
+            rec.add_event(f"backward {self.groups.names[u]}", "compute", self._t0[u], rec.now())
+        self._free(u)
+
+    def _backward_end(self) -> None:
+        for u in range(len(self.bufs)):
+            self._free(u)
+        self._in_backward = [False] * len(self.bufs)
+
+    # -- the step ------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update this rank's slice; the next forward gathers the new values."""
+        self._check_model()
+        if self.states.grad_shard is None:  # no backward since zero_grad(set_to_none=True)
+            return
+        self._step_optimizer(self.states.grad_shard / self.world_size)  # (S,) averaged
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the (S,) gradient slice, or free it with `set_to_none=True` (like torch's .grad)."""
+        _zero_shard(self.states, set_to_none)
+        for p in self.groups.flat:
+            p.grad = None
+
+    def _check_model(self) -> None:
+        super()._check_model()
+        for i, p in enumerate(self.groups.flat):
+            if self.bufs[self._unit_of[i]] is None and p.numel() != 0:
+                raise ValueError(
+                    f"model: parameter {self._names.get(id(p), '?')!r} was given new data after wrapping; "
+                    "under ZeRO-3 its values live in the shards: build a new Zero3 for the changed model"
+                )
+
+    # -- inspection ----------------------------------------------------------------
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full value (a collective: call it on every rank), by name, as copies."""
+        out: dict[str, torch.Tensor] = {}
+        ids = {id(p): i for i, p in enumerate(self.groups.flat)}
+        for u in range(len(self.bufs)):
+            self._ensure(u)
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                if ids.get(id(p), -1) in self.layout.unit_params(u):
+                    out[name] = p.detach().clone()
+            self._free(u)
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if not p.requires_grad:
+                out[name] = p.detach().clone()
+        return out
+
+    def remove(self) -> None:
+        """Take the hooks off (the model keeps its placeholders: it is no longer usable alone)."""
+        for h in self._hooks:
+            h.remove()
+        self.reducer.remove()
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+__all__ = ["Zero3"]

@@ -31,9 +31,11 @@ from parallel_lab.comms.core import (
     _flat,
     _global,
     _group,
+    check_device,
     check_same_shape,
 )
 from parallel_lab.comms.cost import ring_bytes_per_rank, tree_bytes_per_rank
+from parallel_lab.runtime import device as dev
 
 
 # ----------------------------------------------------------------------------- traced built-ins
@@ -165,6 +167,8 @@ def dist_reduce_scatter(ctx, tensor: torch.Tensor, op="sum", group=None) -> torc
 
 def dist_all_to_all(ctx, tensors: Sequence[torch.Tensor], group=None) -> list[torch.Tensor]:
     """`dist.all_to_all`, traced (pairwise nominal bytes); same contract as `all_to_all`."""
+    for i, t in enumerate(tensors):
+        check_device(ctx, t, f"tensors[{i}]")
     with TracedOp(ctx, "all_to_all", None, group) as o:
         if len(tensors) != o.p:
             raise ValueError(f"tensors must hold one tensor per rank: got {len(tensors)}, group size {o.p}")
@@ -198,14 +202,17 @@ class AsyncAllReduce:
         p, me = dist.get_world_size(group), dist.get_rank(group)
         self.sent, self.recv = ring_bytes_per_rank(tensor.numel(), p, tensor.element_size(), "all_reduce")[me]
         self.args = {"op": "all_reduce", "numel": tensor.numel(), "dtype": str(tensor.dtype)[6:], **args}
-        self.start, self.done_at, self.tensor = self.rec.now(), None, tensor
+        self.start, self.done_at, self.tensor = self.rec.mark(), None, tensor
         self.rec.enter_comm(name)
         self.work = dist.all_reduce(tensor, group=group, async_op=True)
         self.future = self.work.get_future()
         self.future.add_done_callback(self._done)
 
     def _done(self, _fut: Any) -> None:
-        self.done_at = self.rec.now()  # runs on gloo's thread, the moment the reduction finished
+        # gloo runs this on its own thread the moment the reduction finished. NCCL's future completes
+        # when the op is queued, so on a GPU the span ends at the event recorded after wait().
+        if self.rec.clock is None:
+            self.done_at = self.rec.now()
 
     def wait(self) -> torch.Tensor:
         """Block until the reduction is done; returns the (reduced, in place) tensor."""
@@ -219,32 +226,43 @@ class AsyncAllReduce:
         if self.work is None:
             return
         self.work = None
-        end = end if end is not None else self.rec.now()
+        end = end if end is not None else self.rec.mark()
         self.rec.add_event(self.name, "comm", self.start, end, **self.args, bytes_sent=self.sent,
                            bytes_recv=self.recv)  # fmt: skip
         self.rec.count_bytes("all_reduce", self.sent, self.recv)
 
 
 class CommThread:
-    """One background thread that runs our from-scratch ring all-reduces in order (a "comm stream")."""
+    """One background thread that runs our from-scratch ring all-reduces in order.
 
-    def __init__(self) -> None:
+    On a CPU the thread is the "comm stream" (an emulation: both share the cores). On a GPU the
+    thread also runs its kernels on a CUDA stream of its own, bound to the rank's device: a job
+    starts after what the submitting stream had queued (the gradients it reduces), and `wait()`
+    makes the caller's stream wait for the job's kernels."""
+
+    def __init__(self, device: Any = None) -> None:
         self.jobs: queue.Queue = queue.Queue()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         threading.Thread(target=self._run, daemon=True, name="parallel_lab-comm").start()
 
     def _run(self) -> None:
+        dev.bind_thread(self.device)
+        stream = dev.side_stream(self.device)
         while True:
-            fn, box, done = self.jobs.get()
+            fn, box, done, ready = self.jobs.get()
             try:
-                box.append(fn())
+                with dev.on_stream(stream):
+                    dev.wait_for(ready)
+                    box.append(fn())
+                    box.append(dev.stream_point(self.device))
             except BaseException as e:  # noqa: BLE001 - re-raised on the main thread at wait()
-                box.append(e)
+                box[:] = [e, None]
             done.set()
 
     def submit(self, fn: Any) -> _ThreadHandle:
         """Queue `fn()` behind the jobs already queued; `.wait()` on the result returns its value."""
         h = _ThreadHandle()
-        self.jobs.put((fn, h.box, h.done))
+        self.jobs.put((fn, h.box, h.done, dev.stream_point(self.device)))
         return h
 
 
@@ -257,6 +275,7 @@ class _ThreadHandle:
         self.done.wait()
         if isinstance(self.box[0], BaseException):
             raise self.box[0]
+        dev.wait_for(self.box[1])  # GPU: the caller's stream waits for the job's kernels
         return self.box[0]
 
 

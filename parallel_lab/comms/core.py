@@ -159,10 +159,41 @@ def _scratch(like: torch.Tensor, numel: int, slot: int) -> torch.Tensor:
     return buf[:numel]
 
 
+def post_p2p(group, sends=(), recvs=(), tag: int = 0) -> list:
+    """Start every send and receive given, as one `batch_isend_irecv`; returns the works.
+
+    The one place the lab posts point-to-point messages (a test checks that no other module
+    calls isend/irecv/send/recv). `sends` and `recvs` are (tensor, group rank) pairs; empty
+    tensors are skipped. Why one batch: NCCL pairs messages by the order they are posted, not
+    by tag, runs each batch as one kernel on its stream, and a bare isend/irecv creates a lazy
+    two-rank communicator whose creation can wait on another's. A batch posts the exchange
+    together on the group's communicator, as torch.distributed.pipelining does. gloo, which
+    matches by tag, accepts both; the tag is kept for it."""
+    ops = [dist.P2POp(dist.irecv, t, _global(group, r), group, tag) for t, r in recvs if t.numel() > 0]
+    ops += [dist.P2POp(dist.isend, t, _global(group, r), group, tag) for t, r in sends if t.numel() > 0]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def check_device(ctx, tensor: torch.Tensor | None, what: str = "tensor") -> None:
+    """A collective's tensor must live on the rank's device (`ctx.device`).
+
+    gloo accepts CPU tensors anywhere; NCCL rejects them ("No backend type associated with
+    device type cpu"), so the rule is checked here, on every device, to fail the same way on
+    a laptop and on a GPU box."""
+    device = getattr(ctx, "device", None)
+    if tensor is None or device is None or tensor.device == torch.device(device):
+        return
+    raise ValueError(
+        f"{what} is on {tensor.device} but this rank computes on {device}: create it with "
+        f"device=ctx.device (or move it with .to(ctx.device)) before a collective"
+    )
+
+
 class TracedOp:
     """One traced collective: knows its group, tallies the bytes its messages carry."""
 
     def __init__(self, ctx, name: str, tensor: torch.Tensor | None, group, trace_steps: bool = False):
+        check_device(ctx, tensor)
         self.ctx, self.name, self.group = ctx, name, _group(ctx, group)
         self.p, self.me = _size_rank(self.group)
         self.sent = self.recv = self.steps = 0
@@ -191,13 +222,18 @@ class TracedOp:
         self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int, phase: str = "step"
     ) -> None:
         """Send `send` to group rank `dst` while receiving `recv` from `src`; empty tensors are skipped."""
-        t0 = self.ctx.recorder.now()
+        t0 = self.ctx.recorder.mark()
         works = self.post(send, dst, recv, src)
         for w in works:
             w.wait()
         if self.trace_steps:
             self.ctx.recorder.add_event(
-                f"{self.name}:{phase}", "comm", t0, self.ctx.recorder.now(), parent=self.name, step=self.steps
+                f"{self.name}:{phase}",
+                "comm",
+                t0,
+                self.ctx.recorder.mark(),
+                parent=self.name,
+                step=self.steps,
             )
         self.steps += 1
 
@@ -213,41 +249,26 @@ class TracedOp:
 
     def combine(self, acc: torch.Tensor, x: torch.Tensor, op: str, out: torch.Tensor) -> torch.Tensor:
         """`_combine`, drawn on the compute lane when tracing steps (the adds between messages)."""
-        t0 = self.ctx.recorder.now()
+        t0 = self.ctx.recorder.mark()
         res = _combine(acc, x, op, out)
         if self.trace_steps:
             self.ctx.recorder.add_event(
-                f"{self.name}:add", "compute", t0, self.ctx.recorder.now(), parent=self.name
+                f"{self.name}:add", "compute", t0, self.ctx.recorder.mark(), parent=self.name
             )
         return res
 
     def post(self, send, dst, recv, src, tag: int = 0) -> list:
-        ops = []
-        if recv is not None and recv.numel() > 0:
-            ops.append(dist.P2POp(dist.irecv, recv, _global(self.group, src), self.group, tag))
-            self.recv += recv.numel() * recv.element_size()
-            self.peers.add(_global(self.group, src))
-        if send is not None and send.numel() > 0:
-            ops.append(dist.P2POp(dist.isend, send, _global(self.group, dst), self.group, tag))
-            self.sent += send.numel() * send.element_size()
-            self.peers.add(_global(self.group, dst))
-        return dist.batch_isend_irecv(ops) if ops else []
-
-    def isend(self, t: torch.Tensor, dst: int, tag: int):
-        """Start one tallied send (None for an empty tensor: nothing to send)."""
-        if t.numel() == 0:
-            return None
-        self.sent += t.numel() * t.element_size()
-        self.peers.add(_global(self.group, dst))
-        return dist.isend(t, _global(self.group, dst), group=self.group, tag=tag)
-
-    def irecv(self, t: torch.Tensor, src: int, tag: int):
-        """Start one tallied receive (None for an empty tensor)."""
-        if t.numel() == 0:
-            return None
-        self.recv += t.numel() * t.element_size()
-        self.peers.add(_global(self.group, src))
-        return dist.irecv(t, _global(self.group, src), group=self.group, tag=tag)
+        """Start a send to `dst` and a receive from `src` together (`post_p2p`), tallying both;
+        returns the works to wait on."""
+        sends = [(send, dst)] if send is not None and send.numel() > 0 else []
+        recvs = [(recv, src)] if recv is not None and recv.numel() > 0 else []
+        for t, r in sends:
+            self.sent += t.numel() * t.element_size()
+            self.peers.add(_global(self.group, r))
+        for t, r in recvs:
+            self.recv += t.numel() * t.element_size()
+            self.peers.add(_global(self.group, r))
+        return post_p2p(self.group, sends, recvs, tag)
 
     def nominal(self, sent_recv: tuple[int, int], peers: Sequence[int]) -> None:
         """Book the textbook volume of a built-in collective (the backend does not report its own)."""
@@ -262,7 +283,7 @@ class Handle:
     def __init__(self, ctx, name: str, works: list, args: dict, sent: int, recv: int, result: Any = None):
         self.ctx, self.name, self.works, self.args = ctx, name, works, args
         self.sent, self.recv, self.result = sent, recv, result
-        self.start, self.done = ctx.recorder.now(), False
+        self.start, self.done = ctx.recorder.mark(), False
         ctx.recorder.enter_comm(name)
 
     def is_completed(self) -> bool:
@@ -279,7 +300,7 @@ class Handle:
                 self.name,
                 "comm",
                 self.start,
-                rec.now(),
+                rec.mark(),  # on a GPU: an event after the wait, i.e. when the op is really done
                 **self.args,
                 bytes_sent=self.sent,
                 bytes_recv=self.recv,

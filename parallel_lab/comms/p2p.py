@@ -9,9 +9,17 @@ Import them from `parallel_lab.comms`, which re-exports this module.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from parallel_lab.comms.core import Handle, TracedOp, _check_rank, _global, _group, _size_rank
+from parallel_lab.comms.core import (
+    Handle,
+    TracedOp,
+    _check_rank,
+    _global,
+    _group,
+    _size_rank,
+    check_device,
+    post_p2p,
+)
 
 
 def _p2p(ctx, name, send_t, dst, recv_t, src, group) -> TracedOp:
@@ -41,11 +49,12 @@ def sendrecv(ctx, send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int
 
 
 def _ip2p(ctx, name, tensor, peer, group, is_send) -> Handle:
+    check_device(ctx, tensor)
     g = _group(ctx, group)
     p, _ = _size_rank(g)
     _check_rank("dst" if is_send else "src", peer, p)
-    fn, nbytes = (dist.isend if is_send else dist.irecv), tensor.numel() * tensor.element_size()
-    works = [fn(tensor, _global(g, peer), group=g)] if tensor.numel() > 0 else []
+    nbytes = tensor.numel() * tensor.element_size()
+    works = post_p2p(g, sends=[(tensor, peer)] if is_send else [], recvs=[] if is_send else [(tensor, peer)])
     args = {
         "op": name,
         "numel": tensor.numel(),

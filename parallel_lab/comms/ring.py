@@ -142,41 +142,52 @@ def ring_all_reduce_pipelined(
 
 def _pipelined_ring(o: TracedOp, chunks: list[torch.Tensor], op: str, seg: int) -> None:
     """Steps 0..p-2 reduce-scatter, p-1..2p-3 all-gather; segment j of step s+1 leaves as soon
-    as segment j of step s is reduced (or, in the all-gather, has arrived)."""
+    as segment j of step s is reduced (or, in the all-gather, has arrived).
+
+    Each segment's send to the right and its receive from the left are posted together, as one
+    batch (`TracedOp.post`): NCCL runs each batch as one kernel on its stream, in order, so a
+    receive posted on its own would block the send queued behind it on every rank at once."""
     p, me = o.p, o.me
     right, left = (me + 1) % p, (me - 1) % p
     width = max(c.numel() for c in chunks)
     seg = max(seg, -(-width // _MAX_SEGMENTS))  # each message costs ~50 us of Python and gloo
-    nseg = -(-width // seg)
     bufs = [o.buffer(chunks[0], width, slot=i) for i in range(2)]  # (max chunk,) x2, alternating by step
+    last = 2 * (p - 1)
 
-    def post_recvs(s: int) -> list:
-        if s >= 2 * (p - 1):
-            return []
+    def landing(s: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Where step s's segments arrive, and the chunk segments they end up in."""
         k = (me - s - 2) % p  # the chunk arriving at step s, in both phases
-        targets = chunks[k].split(seg)
+        targets = list(chunks[k].split(seg))
         # reduce-scatter: land in a buffer and add into chunk k; all-gather: land in place
-        land = bufs[s % 2][: chunks[k].numel()].split(seg) if s < p - 1 else targets
-        return [(o.irecv(x, left, s * nseg + j), x, t) for j, (x, t) in enumerate(zip(land, targets))]
+        land = list(bufs[s % 2][: chunks[k].numel()].split(seg)) if s < p - 1 else targets
+        return land, targets
 
-    recvs = post_recvs(0)  # receives first: a message that finds its receive posted lands in place
-    sends = [o.isend(x, right, j) for j, x in enumerate(chunks[(me - 1) % p].split(seg))]
-    for s in range(2 * (p - 1)):
-        ahead = post_recvs(s + 1)  # the other buffer: step s+1 can arrive while we add step s
-        for j, (work, got, target) in enumerate(recvs):
-            if work is not None:
-                work.wait()
-            if s < p - 1:
-                _combine(target, got, op, out=target)
+    def post(s: int, j: int, out: list[torch.Tensor], land: list[torch.Tensor]) -> list:
+        """Step s, segment j: send out[j] right and receive land[j] from the left, one batch."""
+        send = out[j] if j < len(out) else None
+        recv = land[j] if j < len(land) else None
+        return o.post(send, right, recv, left)
+
+    out = list(chunks[(me - 1) % p].split(seg))  # step 0 sends our own chunk r-1
+    land, targets = landing(0)
+    pending = [post(0, j, out, land) for j in range(max(len(out), len(land)))]
+    for s in range(last):
+        nxt = landing(s + 1) if s + 1 < last else ([], [])
+        ahead = []
+        for j in range(len(pending)):
+            for w in pending[j]:
+                w.wait()
+            if j < len(targets) and s < p - 1:
+                _combine(targets[j], land[j], op, out=targets[j])
                 if s == p - 2 and op == "avg":
-                    target.div_(p)  # fully reduced: our chunk, divided once before it travels
-            if s + 1 < 2 * (p - 1):
-                sends.append(o.isend(target, right, (s + 1) * nseg + j))
+                    targets[j].div_(p)  # fully reduced: our chunk, divided once before it travels
+            if s + 1 < last and j < max(len(targets), len(nxt[0])):
+                ahead.append(post(s + 1, j, targets, nxt[0]))
+        # segments of step s+1 beyond those of step s (uneven chunks differ by one element)
+        for j in range(len(ahead), max(len(targets), len(nxt[0])) if s + 1 < last else 0):
+            ahead.append(post(s + 1, j, targets, nxt[0]))
         o.steps += 1
-        recvs = ahead
-    for w in sends:
-        if w is not None:
-            w.wait()
+        pending, (land, targets) = ahead, nxt
 
 
 def naive_all_reduce(

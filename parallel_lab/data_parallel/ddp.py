@@ -116,7 +116,7 @@ class BucketedDDP(nn.Module):
             self.buckets.append(self._make_bucket(i, params))
         self._next = 0  # the next bucket to launch, in index order
         self._syncing = True  # False inside no_sync()
-        self._thread = CommThread() if comm == "ring" and self.world > 1 else None
+        self._thread = CommThread(ctx.device) if comm == "ring" and self.world > 1 else None
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params
         ]

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from parallel_lab import costmodel
+from parallel_lab.runtime import device as mesh
 from parallel_lab.runtime.memory import MemoryTracker
 from parallel_lab.runtime.trace import Recorder
 from parallel_lab.zero import (
@@ -160,7 +161,9 @@ class ZeroOffload(ZeroBase):
         nbytes = piece.numel() * piece.element_size()
         with self.host:
             with self.ctx.span("D2H grads", "memcpy", bytes=nbytes, unit=u):
-                staged = torch.empty(piece.shape, dtype=piece.dtype)  # pinned host memory on a GPU machine
+                # page-locked on a GPU machine (a DMA copy at full link speed); the copy is synchronous:
+                # the host adds the piece right after, so it must have landed
+                staged = mesh.host_buffer(torch.empty(piece.shape, dtype=piece.dtype), piece.device)
                 staged.copy_(piece)  # the transfer
             self.host_grad[lo:hi] += staged  # host compute: accumulate in fp32
             del staged

@@ -80,8 +80,12 @@ class WeightStreamer:
             )
         self.budget, self.sizes = budget_bytes, sizes
         with self.host:  # one host copy per parameter (tied weights once); the device keeps nothing
-            self.host_copy = {id(p): self.host.register(p.detach().to("cpu", copy=True), "param")
+            # pinned on a GPU machine: the copies below then run on their own stream, under compute
+            self.host_copy = {id(p): self.host.register(mesh.host_buffer(p.detach().to("cpu", copy=True), self.device),
+                                                        "param")
                               for ps in self.params for p in ps}  # fmt: skip
+        self.copy_stream = mesh.side_stream(self.device)  # None on a CPU: copies run inline
+        self.ready: list = [None] * len(self.units)  # per unit: where its copy ends on the copy stream
         self._placeholder = torch.empty(0, dtype=self.params[0][0].dtype, device=self.device)
         for ps in self.params:
             for p in ps:
@@ -106,15 +110,22 @@ class WeightStreamer:
             with mem.category("param") if mem is not None else contextlib.nullcontext():
                 buf = torch.empty(n, dtype=dtype, device=self.device)  # (unit,) on the device
             off = 0
-            for p in ps:
-                k = self.shapes[id(p)].numel()
-                buf[off : off + k].copy_(self.host_copy[id(p)].reshape(-1), non_blocking=True)
-                off += k
+            allocated = mesh.stream_point(self.device)  # buf's memory may still be read by earlier kernels
+            with mesh.on_stream(self.copy_stream):
+                mesh.wait_for(allocated)
+                for p in ps:
+                    k = self.shapes[id(p)].numel()
+                    buf[off : off + k].copy_(self.host_copy[id(p)].reshape(-1), non_blocking=True)
+                    off += k
+                self.ready[u] = mesh.stream_point(self.device)
         self.bufs[u] = buf
         self.h2d_bytes += self.sizes[u]
 
     def _bind(self, u: int) -> None:
         off, buf = 0, self.bufs[u]
+        mesh.wait_for(self.ready[u])  # GPU: compute on this unit starts after its copy lands
+        self.ready[u] = None
+        mesh.used_here(buf)
         for p in self.params[u]:
             shape = self.shapes[id(p)]
             p.data = buf[off : off + shape.numel()].view(shape)

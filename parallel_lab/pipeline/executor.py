@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -33,7 +32,7 @@ from parallel_lab import comms
 from parallel_lab.models import build_model, make_optimizer, synthetic_batch
 from parallel_lab.pipeline.schedules import make_schedule
 from parallel_lab.pipeline.stages import PipelineConfig, reference_batches, split_layers, stage_modules
-from parallel_lab.runtime.device import synchronize
+from parallel_lab.runtime.device import bind_thread, is_cuda
 from parallel_lab.runtime.parallel_dims import ParallelDims
 
 __all__ = ["PipelineConfig", "PipelineRank", "SendReaper", "StageParts", "mlp_stage_parts", "reference_batches",
@@ -41,13 +40,15 @@ __all__ = ["PipelineConfig", "PipelineRank", "SendReaper", "StageParts", "mlp_st
 
 
 def _tagged(ctx, t: torch.Tensor, peer: int, tag: int, send: bool) -> comms.Handle:
-    """A traced, byte-counted isend/irecv with a tag (comms.isend/irecv have none): messages are
-    matched by identity, whatever order two ranks post them in."""
+    """A traced, byte-counted send or receive of one message (global rank `peer`), posted through
+    `comms.post_p2p`. The tag lets gloo match messages by identity; NCCL matches by order, so
+    on a GPU messages are posted in instruction-list order (see `_prefetch`)."""
     nbytes = t.numel() * t.element_size()
-    work = (dist.isend if send else dist.irecv)(t, peer, tag=tag)
+    pair = [(t, peer)]
+    works = comms.post_p2p(None, sends=pair if send else [], recvs=[] if send else pair, tag=tag)
     name = "isend" if send else "irecv"
     args = {"op": name, "numel": t.numel(), "dtype": str(t.dtype).replace("torch.", ""), "peers": [peer]}
-    return comms.Handle(ctx, name, [work], args, nbytes if send else 0, 0 if send else nbytes, t)
+    return comms.Handle(ctx, name, works, args, nbytes if send else 0, 0 if send else nbytes, t)
 
 
 class SendReaper:
@@ -58,12 +59,14 @@ class SendReaper:
     `wait()`, and `wait()` blocks until the peer posts its receive, so only a thread can
     find out in time: otherwise 1F1B would hold every sent tensor until the flush."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.device = device if device is not None else torch.device("cpu")
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        bind_thread(self.device)  # a new thread starts on GPU 0
         while (h := self.q.get()) is not None:
             h.wait()  # records the span issue -> delivery, books the bytes
             del h  # the tensor goes with it
@@ -152,7 +155,13 @@ class PipelineRank:
 
     def _prefetch(self, i: int, posted: dict, shape: tuple) -> None:
         """Post the next receive of the list before computing, so a message that arrives during the
-        compute finds its receive waiting (torch's runtime posts receives early for the same reason)."""
+        compute finds its receive waiting.
+
+        CPU only: gloo matches a message to its receive by tag, so posting early is safe. NCCL
+        matches by order on one stream, and a receive moved ahead of this rank's next send can
+        wait for a peer that waits for that send; on a GPU every message is posted in list order."""
+        if is_cuda(self.ctx.device):
+            return
         for s in self.schedule[i + 1 :]:
             if s.kind in ("F", "B"):
                 return
@@ -165,13 +174,14 @@ class PipelineRank:
 
     # -- compute -------------------------------------------------------------------
     def _compute(self, name: str, fn, target: float, **args):
-        """Run fn in a compute span; pad it to `target` seconds (an emulated device speed)."""
+        """Run fn in a compute span; on a CPU, pad it to `target` seconds (an emulated device speed,
+        so bubbles have the simulator's shape). On a GPU the kernels run at the GPU's own speed and
+        nothing waits for them here: the next message's wait orders them on the streams."""
         with self.ctx.span(name, "compute", **args):
             t0 = time.perf_counter()
             out = fn()
-            synchronize(self.ctx.device)  # on a GPU the kernels must be done before the bar ends
             left = target - (time.perf_counter() - t0)
-            if left > 0:
+            if left > 0 and not is_cuda(self.ctx.device):
                 time.sleep(left)
         return out
 
@@ -188,18 +198,18 @@ class PipelineRank:
     def step(self, xs: list, ys: list, step: int, keep_outputs: bool = False) -> dict:
         """Run this rank's instruction list once over the m micro-batches, then the optimizer step."""
         ctx, p, r, cfg = self.ctx, self.p, self.r, self.cfg
-        inputs, outputs, grads, logits, posted, reaper = {}, {}, {}, [], {}, SendReaper()
+        inputs, outputs, grads, logits, posted, reaper = {}, {}, {}, [], {}, SendReaper(ctx.device)
         loss_sum, shape = 0.0, (xs[0].shape[0], *self.act_tail)
         t_f, t_b = cfg.compute_time / self.v, 2 * cfg.compute_time / self.v
         rec = ctx.recorder
         comms.dist_barrier(ctx)  # every rank starts the step together: bubbles are measured from here
-        idle_from = rec.now()
+        idle_from, idle_host = rec.mark(), rec.now()  # (the mark is a CUDA event on a GPU)
         for i, s in enumerate(self.schedule):
             key, vs = (s.mb, s.chunk), s.chunk * p + r
             if s.kind in ("F", "B"):
                 self._prefetch(i, posted, shape)
-                if rec.now() > idle_from:
-                    rec.add_event("bubble", "bubble", idle_from, rec.now(), step=step)
+                if rec.now() > idle_host:
+                    rec.add_event("bubble", "bubble", idle_from, rec.mark(), step=step)
             if s.kind == "RECV_F":
                 inputs[key] = self._recv(posted, shape, s.peer, self._tag(0, s.mb, vs)).requires_grad_()
             elif s.kind == "F":
@@ -231,11 +241,11 @@ class PipelineRank:
             elif s.kind == "SEND_B":
                 self._send(inputs.pop(key).grad, s.peer, self._tag(1, s.mb, vs - 1), reaper)
             if s.kind in ("F", "B"):
-                idle_from = rec.now()
+                idle_from, idle_host = rec.mark(), rec.now()
         reaper.join()
         if p > 1:
             comms.dist_barrier(ctx, group=self.pp_group)  # the flush: the pipeline is empty
-            rec.add_event("bubble", "bubble", idle_from, rec.now(), step=step)
+            rec.add_event("bubble", "bubble", idle_from, rec.mark(), step=step)
         if cfg.dp_sync == "end":  # the right way: once, after the last micro-batch's backward
             self._sync_grads(list(self.params.values()))
         if self.extra_sync is not None:

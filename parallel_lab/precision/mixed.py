@@ -115,7 +115,9 @@ class LossScaler:
             self._found_inf = False
             return False
         inv = 1.0 / self.loss_scale
-        flag = torch.zeros(1, device=grads[0].device if grads else "cpu")  # (1,)
+        # (1,) on the rank's device even with no gradients here: NCCL reduces device tensors only
+        device = grads[0].device if grads else (ctx.device if ctx is not None else "cpu")
+        flag = torch.zeros(1, device=device)
         for g in grads:
             flag = torch.maximum(flag, (~torch.isfinite(g).all()).float())  # (1,): no sync per tensor
             g.mul_(inv)

@@ -111,7 +111,7 @@ def quantize_torch(x: torch.Tensor, axis: int | None = None) -> torch.Tensor:
         return torch.quantize_per_tensor(xf, float(scale), 0, torch.qint8)
     axis = axis % x.dim()
     flat = scale.reshape(-1)  # (n_axis,)
-    zeros = torch.zeros(flat.numel(), dtype=torch.long)
+    zeros = torch.zeros(flat.numel(), dtype=torch.long, device=flat.device)  # beside the scales
     return torch.quantize_per_channel(xf, flat.double(), zeros, axis, torch.qint8)
 
 

@@ -7,6 +7,8 @@ way for `launch` (forked ranks) and `run_from_env` (torchrun / accelerate).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,9 +77,12 @@ class Context:
         return self.recorder.span(name, kind, **args)
 
 
-def _make_context(rank, world_size, local_rank, backend, t0, seed, sink, check_shapes, track_memory):
-    device = mesh.device_for(backend, local_rank)
+def _make_context(
+    rank, world_size, local_rank, backend, t0, seed, sink, check_shapes, track_memory, device=None
+):
+    device = device if device is not None else mesh.device_for(backend, local_rank)
     rec = Recorder(rank=rank, t0=t0, sink=sink)
+    rec.clock = mesh.clock_for(device, rec.now)
     ctx = Context(rank, world_size, local_rank, device, backend, rec, seed=seed, check_shapes=check_shapes)
     if track_memory:
         from parallel_lab.runtime.memory import MemoryTracker
@@ -88,24 +93,46 @@ def _make_context(rank, world_size, local_rank, backend, t0, seed, sink, check_s
 
 
 def _run_fn(ctx: Context, fn, args, kwargs):
-    if ctx.memory is None:
-        return fn(ctx, *args, **kwargs)
-    ctx.memory.start()
     try:
-        ctx.recorder.sample_memory("start")
-        out = fn(ctx, *args, **kwargs)
-        ctx.recorder.sample_memory("end")
-        return out
+        if ctx.memory is None:
+            return fn(ctx, *args, **kwargs)
+        ctx.memory.start()
+        try:
+            ctx.recorder.sample_memory("start")
+            out = fn(ctx, *args, **kwargs)
+            ctx.recorder.sample_memory("end")
+            return out
+        finally:
+            ctx.memory.stop()
     finally:
-        ctx.memory.stop()
+        ctx.recorder.resolve()  # device-timed spans (GPU) join the timeline
 
 
 def _to_cpu(x: Any) -> Any:
-    """Results travel to the parent; CUDA tensors must not (they would init CUDA there)."""
+    """Results travel to the parent; CUDA tensors must not (they would init CUDA there).
+
+    Walks lists, tuples (NamedTuples too), dicts and dataclass instances; other objects go as
+    they are."""
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()
-    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
-        return type(x)(_to_cpu(v) for v in x)
-    if isinstance(x, dict) and type(x) is dict:
-        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple
+        return type(x)(*(_to_cpu(v) for v in x))
+    if isinstance(x, (list, tuple)):
+        items = [_to_cpu(v) for v in x]
+        return items if type(x) is list else tuple(items) if type(x) is tuple else type(x)(items)
+    if isinstance(x, dict):
+        out = {k: _to_cpu(v) for k, v in x.items()}
+        if type(x) is dict:
+            return out
+        try:
+            y = copy.copy(x)  # a dict subclass (defaultdict, OrderedDict) keeps its type
+            y.update(out)
+            return y
+        except Exception:
+            return out
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        y = copy.copy(x)  # field by field, so neither __init__ nor a frozen check runs again
+        for f in dataclasses.fields(x):
+            object.__setattr__(y, f.name, _to_cpu(getattr(x, f.name)))
+        return y
     return x

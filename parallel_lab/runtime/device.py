@@ -4,12 +4,19 @@ Everything else takes `ctx.device` and stays device-agnostic. On a machine with
 at least `world_size` GPUs a launch uses NCCL with one GPU per rank (NCCL refuses
 two ranks on one GPU); otherwise gloo on CPU.
 
-Process groups for DP x TP x PP meshes are built here too (`ParallelDims`).
+Counting GPUs must not create a CUDA context here: a notebook kernel that did so (even
+through `torch.cuda.is_available()`, which initialises the driver) can no longer fork a
+rank that uses CUDA, so launches that use NCCL always spawn (see `launch`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -17,17 +24,62 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 
 def gpu_count() -> int:
-    """Number of visible CUDA GPUs (0 on a CPU-only machine)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """Visible CUDA GPUs (respecting CUDA_VISIBLE_DEVICES), counted without initialising CUDA here.
+
+    A CPU build of torch has none. Otherwise NVML answers (what `torch.cuda.device_count`
+    itself uses when asked to stay fork-safe); without NVML a child process counts."""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return 0
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()
+    return _uninitialised_gpu_count(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+@functools.lru_cache(maxsize=4)
+def _uninitialised_gpu_count(visible: str | None) -> int:
+    try:
+        n = torch.cuda._device_count_nvml()  # -1 when NVML is unavailable
+    except Exception:
+        n = -1
+    if n >= 0:
+        return n
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return int(out.stdout.strip() or 0)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0
 
 
 def gpu_names() -> list[str]:
+    """Names of the visible GPUs (initialises CUDA in this process: for `doctor`, not a notebook)."""
     return [torch.cuda.get_device_name(i) for i in range(gpu_count())]
 
 
 def cuda_initialized() -> bool:
-    """True when this process already created a CUDA context (then fork is unsafe)."""
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    """True when this process already created a CUDA context (then fork is unsafe for any rank)."""
+    return torch.cuda.is_initialized()
+
+
+def wants_cpu() -> bool:
+    """ACCELERATE_USE_CPU=true (accelerate's own switch) asks for gloo on CPU even on a GPU node."""
+    return os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes")
+
+
+def local_cuda_index(local_rank: int | None) -> int:
+    """The GPU a rank drives: its LOCAL_RANK, or 0 when the launcher shows each rank one GPU
+    (Slurm's --gpus-per-task=1). A clear error instead of every rank piling onto GPU 0."""
+    n = gpu_count()
+    if n == 1:
+        return 0
+    if local_rank is None:
+        raise RuntimeError(
+            f"LOCAL_RANK is not set and {n} GPUs are visible: NCCL needs to know which GPU is this rank's "
+            "(torchrun and accelerate launch set it; with srun, set LOCAL_RANK=$SLURM_LOCALID)"
+        )
+    if not 0 <= local_rank < n:
+        raise RuntimeError(f"LOCAL_RANK={local_rank} but only {n} GPU(s) are visible to this rank")
+    return local_rank
 
 
 def default_backend(world_size: int | None = None) -> str:
@@ -51,12 +103,20 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
-def device_for(backend: str, local_rank: int) -> torch.device:
-    """The device a rank computes on: its own GPU under NCCL, the CPU under gloo."""
+def device_for(backend: str, local_rank: int | None) -> torch.device:
+    """The device a rank computes on: its own GPU under NCCL (made current here, before the
+    process group exists), the CPU under gloo."""
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_cuda_index(local_rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def group_kwargs(device: torch.device) -> dict:
+    """`init_process_group` arguments for this rank's device: NCCL binds its communicator to the
+    GPU made current by `device_for` (`device_id`), so no collective guesses the device."""
+    return {"device_id": device} if is_cuda(device) else {}
 
 
 def is_cuda(device: torch.device) -> bool:
@@ -74,6 +134,90 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels so timings are honest (no-op on CPU)."""
     if is_cuda(device):
         torch.cuda.synchronize(device)
+
+
+class CudaEventClock:
+    """Device time for the Recorder: a CUDA event per mark, read back as host seconds.
+
+    The first mark synchronises once and records a reference event at a known host time;
+    every later event's time is that host time plus the GPU's elapsed time since the
+    reference. Reading (`seconds`) waits for the event, so it happens at `resolve()`."""
+
+    def __init__(self, device: torch.device, host_now):
+        self.device, self.host_now, self.ref = device, host_now, None
+
+    def mark(self) -> torch.cuda.Event:
+        if self.ref is None:
+            torch.cuda.synchronize(self.device)
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record()
+            torch.cuda.synchronize(self.device)
+            self.ref_host = self.host_now()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def seconds(self, mark) -> float:
+        if isinstance(mark, float):
+            return mark
+        mark.synchronize()
+        return self.ref_host + self.ref.elapsed_time(mark) / 1e3
+
+
+def clock_for(device: torch.device, host_now):
+    """The Recorder's clock for this device: CUDA events on a GPU, None (the host clock) on a CPU."""
+    return CudaEventClock(device, host_now) if is_cuda(device) else None
+
+
+def bind_thread(device: torch.device) -> None:
+    """Make `device` current in this thread (a new Python thread starts on GPU 0: NCCL calls
+    issued from it would use the wrong device and can hang)."""
+    if is_cuda(device):
+        torch.cuda.set_device(device)
+
+
+def side_stream(device: torch.device):
+    """A CUDA stream of its own for work that should overlap the compute stream; None on a CPU."""
+    return torch.cuda.Stream(device) if is_cuda(device) else None
+
+
+@contextlib.contextmanager
+def on_stream(stream) -> Iterator[None]:
+    """Run the block's kernels on `stream` (no-op for None)."""
+    if stream is None:
+        yield
+    else:
+        with torch.cuda.stream(stream):
+            yield
+
+
+def stream_point(device: torch.device):
+    """An event at the current stream's position (None on a CPU): hand it to `wait_for` on
+    another stream so that stream's later kernels start after everything queued before it."""
+    if not is_cuda(device):
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def wait_for(point) -> None:
+    """Make the current stream wait for a `stream_point` (no-op for None)."""
+    if point is not None:
+        torch.cuda.current_stream().wait_event(point)
+
+
+def host_buffer(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` in page-locked host memory when `device` is a GPU (copies from it can run on a stream
+    while kernels run; from pageable memory they cannot); as it is on a CPU."""
+    return t.pin_memory() if is_cuda(device) else t
+
+
+def used_here(t: torch.Tensor) -> None:
+    """Tell the caching allocator that the current stream uses `t` (made on another stream), so its
+    memory is not handed out again before this stream is done with it (no-op on a CPU)."""
+    if t.is_cuda:
+        t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def cpu_cores() -> int:

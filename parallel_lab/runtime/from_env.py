@@ -40,21 +40,23 @@ def run_from_env(
                 f"environment variable {var} is not set: start this script with torchrun or accelerate launch"
             )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if backend == "auto":
-        backend = "nccl" if mesh.gpu_count() >= local_world and mesh.default_backend() == "nccl" else "gloo"
+    backend = env_backend(backend)
     torch.set_num_threads(max(1, mesh.cpu_cores() // local_world))
+    device = mesh.device_for(backend, local_rank)  # under NCCL: set_device before the group exists
     # torch._dynamo (imported by the first optimizer a script builds) keeps a reference to a process
     # group that exists when it is imported, so destroy_process_group no longer joins gloo's worker
     # threads; one of them then frees a finished op's tensors during interpreter shutdown and the
     # rank aborts ("terminate called without an active exception"). Imported first, it holds none.
     importlib.import_module("torch._dynamo")
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, **mesh.group_kwargs(device))
     # Align clocks: every rank leaves the barrier at (nearly) the same moment.
     dist.barrier()
     t0 = time.perf_counter()
-    ctx = _make_context(rank, world_size, local_rank, backend, t0, seed, None, check_shapes, track_memory)
+    ctx = _make_context(
+        rank, world_size, local_rank or 0, backend, t0, seed, None, check_shapes, track_memory, device=device
+    )
     start = time.perf_counter()
     value = _run_fn(ctx, fn, args, kwargs)
     wall = time.perf_counter() - start
@@ -79,6 +81,18 @@ def run_from_env(
     if trace_path:
         result.save_chrome_trace(trace_path)
     return result
+
+
+def env_backend(backend: str = "auto") -> str:
+    """The backend of a launcher-started rank. An explicit "gloo"/"nccl" wins; "auto" is gloo when
+    ACCELERATE_USE_CPU is set or this rank sees no GPU, else NCCL (each rank on its own GPU)."""
+    if backend not in mesh.BACKENDS:
+        raise ValueError(f"backend must be one of {mesh.BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if mesh.wants_cpu() or mesh.gpu_count() == 0 or not dist.is_nccl_available():
+        return "gloo"
+    return "nccl"
 
 
 def run_script(

@@ -56,6 +56,31 @@ def _check_args(fn, world_size, timeout, backend, start_method, threads) -> None
         raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
 
 
+def choose_start_method(start_method: str, backend: str, threads: int | None) -> str:
+    """fork where it is safe and fast (gloo on Linux, one thread per rank), spawn otherwise.
+
+    - NCCL: always spawn. A CUDA context does not survive fork, and this process may already
+      have initialised the CUDA driver without `torch.cuda.is_initialized()` saying so (a
+      notebook that called `torch.cuda.is_available()`): every forked rank would then fail at
+      its first CUDA call. Spawned ranks get the function by value (cloudpickle).
+    - a CUDA context already here, or not Linux: spawn.
+    - threads > 1: spawn. GNU OpenMP's thread pool does not survive fork, so a forked rank's
+      first multi-threaded op would hang once this process has done threaded math.
+    """
+    can_fork = sys.platform.startswith("linux") and not mesh.cuda_initialized() and backend != "nccl"
+    if start_method == "auto":
+        return "fork" if can_fork and (threads is None or threads == 1) else "spawn"
+    if start_method == "fork" and threads is not None and threads > 1:
+        raise ValueError(
+            f"threads={threads} needs start_method='spawn' (or 'auto'): OpenMP thread pools do not survive fork"
+        )
+    if start_method == "fork" and backend == "nccl":
+        raise ValueError(
+            "start_method='fork' cannot run NCCL ranks (CUDA does not survive fork): use 'auto' or 'spawn'"
+        )
+    return start_method
+
+
 # ---------------------------------------------------------------------------- the rank side
 class _QueueWriter:
     """stdout/stderr of a rank, forwarded to the parent so prints land in the notebook cell.
@@ -117,16 +142,23 @@ def _worker(
             payload = cloudpickle.loads(payload)
         fn, args, kwargs = payload
         torch.set_num_threads(threads)
+        device = mesh.device_for(backend, rank)  # under NCCL: this rank's GPU made current first
         store = dist.FileStore(store_path, world_size)
         # The process group waits a little longer than the parent, so the parent's
         # diagnosis (which rank is stuck where) wins over gloo's generic timeout.
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout + 10)
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout + 10),
+            **mesh.group_kwargs(device),
         )
         q.put(("ready", {"rank": rank}))
         ctx = _make_context(
-            rank, world_size, rank, backend, t0, seed, lambda w, p: q.put((w, p)), check_shapes, track_memory
-        )
+            rank, world_size, rank, backend, t0, seed, lambda w, p: q.put((w, p)), check_shapes, track_memory,
+            device=device,
+        )  # fmt: skip
         value = _run_fn(ctx, fn, args, kwargs)
         # Pickled here, by value: through the queue torch would share tensors by file
         # descriptor, which dies with this process if it exits before the parent reads.
@@ -182,17 +214,7 @@ def launch(
 
     _check_args(fn, world_size, timeout, backend, start_method, threads)
     backend = mesh.resolve_backend(backend, world_size)
-    can_fork = sys.platform.startswith("linux") and not mesh.cuda_initialized()
-    if start_method == "auto":
-        # fork is unsafe once CUDA is initialised here, and unavailable off Linux. Forked
-        # ranks must also stay single-threaded: GNU OpenMP's thread pool does not survive
-        # fork, so a forked rank's first multi-threaded op would hang forever once this
-        # process has done any threaded math. Asking for threads > 1 therefore spawns.
-        start_method = "fork" if can_fork and (threads is None or threads == 1) else "spawn"
-    elif start_method == "fork" and threads is not None and threads > 1:
-        raise ValueError(
-            f"threads={threads} needs start_method='spawn' (or 'auto'): OpenMP thread pools do not survive fork"
-        )
+    start_method = choose_start_method(start_method, backend, threads)
     if threads is None:
         threads = 1 if start_method == "fork" else max(1, mesh.cpu_cores() // world_size)
     mpctx = mp.get_context(start_method)

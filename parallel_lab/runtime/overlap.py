@@ -53,22 +53,27 @@ class LayerTimer:
     def _hook(self, name: str) -> Callable:
         def on_forward(mod: nn.Module, inputs: Any, out: Any) -> None:
             if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(lambda g: self.marks.append((name, self.ctx.recorder.now())))
+                out.register_hook(lambda g: self.marks.append((name, self.ctx.recorder.mark())))
 
         return on_forward
 
     def _grad(self, p: torch.Tensor) -> None:
-        self.last_grad = self.ctx.recorder.now()
+        self.last_grad = self.ctx.recorder.mark()
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
         """Wrap `loss.backward()`: records "bwd loss" (the loss's own backward) and one span per layer."""
         rec = self.ctx.recorder
-        self.marks, self.last_grad, start = [], None, rec.now()
+        self.marks, self.last_grad, start = [], None, rec.mark()
         yield
-        end = rec.now()
-        compute_end = self.last_grad if self.last_grad is not None else end
-        points = [("loss", start), *self.marks, ("end", compute_end)]
+        # On a GPU the marks are CUDA events on the stream; reading them waits for backward's kernels.
+        end = rec.seconds(rec.mark())
+        compute_end = rec.seconds(self.last_grad) if self.last_grad is not None else end
+        points = [
+            ("loss", rec.seconds(start)),
+            *((n, rec.seconds(m)) for n, m in self.marks),
+            ("end", compute_end),
+        ]
         for (name, t0), (_, t1) in zip(points, points[1:]):
             rec.add_event(f"bwd {name}", "compute", t0, max(t0, t1), phase="backward")
         if end - compute_end > 1e-4:

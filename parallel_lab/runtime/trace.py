@@ -7,6 +7,14 @@ to the parent process while the run goes, which is what the live plots draw.
 Invariant: every timestamp is seconds since the launch's common `t0` on one
 monotonic clock (CLOCK_MONOTONIC is system-wide on Linux, so forked ranks on one
 machine agree; scripts align ranks with one broadcast at start-up).
+
+Which clock: on a CPU the host clock is the work's clock (an op runs when it is called).
+On a GPU the host only queues kernels, so a host-clock span would show launch times. There
+a `clock` (`runtime.device.CudaEventClock`) records a CUDA event at each span boundary on the
+current stream; spans stay pending until `resolve()` (at the end of the run, or of a step)
+turns the events into the same seconds-since-t0, and carry `args["clock"] == "cuda_event"`.
+A comm span ends with an event recorded after `work.wait()`, which makes the stream wait for
+the collective: so it ends when the collective is done, not when it was queued.
 """
 
 from __future__ import annotations
@@ -43,10 +51,31 @@ class Recorder:
     samples: list[dict] = field(default_factory=list)
     comm: dict[str, dict[str, int]] = field(default_factory=dict)
     last_comm: str | None = None
+    clock: Any = None  # a device clock on a GPU (runtime.device.CudaEventClock); None: the host clock
+    pending: list[dict] = field(default_factory=list)  # spans whose ends are device marks
 
     def now(self) -> float:
-        """Seconds since the launch's common t0."""
+        """Seconds since the launch's common t0 (host clock)."""
         return time.perf_counter() - self.t0
+
+    def mark(self) -> Any:
+        """A point on the work's clock: `now()` on a CPU, a CUDA event on the current stream on a GPU."""
+        return self.now() if self.clock is None else self.clock.mark()
+
+    def seconds(self, mark: Any) -> float:
+        """A `mark()` as seconds since t0 (on a GPU this waits for its event)."""
+        return mark if self.clock is None or isinstance(mark, float) else self.clock.seconds(mark)
+
+    def resolve(self) -> None:
+        """Turn pending device-timed spans into timeline events (waits for their events)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        for ev in pending:
+            ev["start"], ev["end"] = self.clock.seconds(ev["start"]), self.clock.seconds(ev["end"])
+            ev["args"]["clock"] = "cuda_event"
+            self.events.append(ev)
+            self._emit("event", ev)
 
     # -- spans -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -58,20 +87,24 @@ class Recorder:
         if kind == "comm":
             self.enter_comm(name)
         self.sample_memory(f"{name}:begin")
-        start = self.now()
+        start = self.mark()
         try:
             yield args
         finally:
-            end = self.now()
+            end = self.mark()
             self.add_event(name, kind, start, end, **args)
             self.sample_memory(f"{name}:end")
 
-    def add_event(self, name: str, kind: str, start: float, end: float, **args: Any) -> dict:
-        """Record a finished span (used directly by async collectives: issue -> wait)."""
+    def add_event(self, name: str, kind: str, start: Any, end: Any, **args: Any) -> dict:
+        """Record a finished span (used directly by async collectives: issue -> wait). `start` and
+        `end` are seconds or `mark()`s; spans with device marks wait for `resolve()`."""
         ev = {"rank": self.rank, "name": name, "kind": kind, "start": start, "end": end, "args": args}
         if self.enabled:
-            self.events.append(ev)
-            self._emit("event", ev)
+            if isinstance(start, (int, float)) and isinstance(end, (int, float)):
+                self.events.append(ev)
+                self._emit("event", ev)
+            else:
+                self.pending.append(ev)
         return ev
 
     def enter_comm(self, op: str) -> None:
@@ -98,6 +131,7 @@ class Recorder:
     def reset(self) -> None:
         """Forget events, samples and counts (e.g. after a warm-up step)."""
         self.events.clear()
+        self.pending.clear()
         self.samples.clear()
         self.comm.clear()
         self._emit("reset", {"rank": self.rank})  # the launcher drops what it already streamed

@@ -128,6 +128,7 @@ def train_dp(ctx: Any, cfg: DDPRun) -> dict:
         if i >= cfg.warmup:
             step_s.append(time.perf_counter() - t0)
     by_op = {op: (c["sent"] / cfg.steps, c["recv"] / cfg.steps) for op, c in ctx.recorder.comm.items()}
+    ctx.recorder.resolve()  # GPU: device-timed spans join the timeline before we read it
     hidden, end = comm_hidden_fraction(ctx.recorder.events, ctx.rank), ctx.recorder.now()
     if cfg.variant == "param_server":
         dp.pull()  # the last update, to every replica (not counted in the bytes per step)

@@ -47,18 +47,13 @@ def all_gather_pieces(
     p, me = dist.get_world_size(group), dist.get_rank(group)
     lo, hi = pieces[me]
     out[lo - base : hi - base].copy_(mine)  # our own piece does not travel
-    works, sent, recv = [], 0, 0
     b = out.element_size()
-    for k in range(p):
-        if k == me:
-            continue
-        klo, khi = pieces[k]
-        if khi > klo:
-            works.append(dist.irecv(out[klo - base : khi - base], _peer(group, k), group=group, tag=tag))
-            recv += (khi - klo) * b
-        if hi > lo:
-            works.append(dist.isend(mine, _peer(group, k), group=group, tag=tag))
-            sent += (hi - lo) * b
+    others = [k for k in range(p) if k != me]
+    recvs = [(out[pieces[k][0] - base : pieces[k][1] - base], k) for k in others]
+    sends = [(mine, k) for k in others]
+    sent = sum(t.numel() for t, _ in sends) * b
+    recv = sum(t.numel() for t, _ in recvs) * b
+    works = comms.post_p2p(group, sends, recvs, tag)  # every peer's piece in one batch
     args = {"op": "all_gather", "numel": out.numel(), "dtype": str(out.dtype).replace("torch.", "")}
     return comms.Handle(ctx, "all_gather", works, args, sent, recv, out)
 
@@ -85,14 +80,9 @@ class _Traced:
 
     def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         """Send to group rank `dst` while receiving from `src`; empty tensors are skipped."""
-        ops = []
-        if recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, _peer(self.group, src), self.group))
-            self.recv += recv.numel() * recv.element_size()
-        if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, _peer(self.group, dst), self.group))
-            self.sent += send.numel() * send.element_size()
-        for w in dist.batch_isend_irecv(ops) if ops else []:
+        self.recv += recv.numel() * recv.element_size()
+        self.sent += send.numel() * send.element_size()
+        for w in comms.post_p2p(self.group, [(send, dst)], [(recv, src)]):
             w.wait()
 
 

@@ -167,11 +167,11 @@ class Zero3(ZeroBase):
         self._ensure(u)
         if self.prefetch and u + 1 < len(self.bufs):
             self._issue(u + 1)  # travels while unit u computes
-        self._t0[u] = self.ctx.recorder.now()
+        self._t0[u] = self.ctx.recorder.mark()
 
     def _unit_post(self, u: int, module, args, output) -> None:
         rec = self.ctx.recorder
-        rec.add_event(f"forward {self.groups.names[u]}", "compute", self._t0[u], rec.now())
+        rec.add_event(f"forward {self.groups.names[u]}", "compute", self._t0[u], rec.mark())
         self._after_forward(u, output)
 
     def _after_forward(self, u: int, output: Any) -> None:
@@ -192,12 +192,12 @@ class Zero3(ZeroBase):
             prev = len(self.bufs) - 1 if u == 0 else u - 1  # backward walks the units in reverse
             if prev >= 1:
                 self._issue(prev)
-        self._t0[u] = self.ctx.recorder.now()
+        self._t0[u] = self.ctx.recorder.mark()
 
     def _unit_backward_done(self, u: int) -> None:
         if u > 0:
             rec = self.ctx.recorder
-            rec.add_event(f"backward {self.groups.names[u]}", "compute", self._t0[u], rec.now())
+            rec.add_event(f"backward {self.groups.names[u]}", "compute", self._t0[u], rec.mark())
         self._free(u)
 
     def _backward_end(self) -> None:

@@ -70,10 +70,11 @@ def _forbid_collectives() -> Iterator[None]:
             setattr(dist, name, real)
 
 
-def _data(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
-    """Small integers: any summation order gives the same bits, so answers compare exactly."""
+def _data(rank: int, numel: int, dtype: torch.dtype, device, salt: int = 0) -> torch.Tensor:
+    """Small integers: any summation order gives the same bits, so answers compare exactly.
+    Drawn on the CPU (the same numbers on every machine), then put on the rank's device."""
     g = torch.Generator().manual_seed(7919 * rank + numel + salt)
-    return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+    return torch.randint(-8, 9, (numel,), generator=g).to(device=device, dtype=dtype)
 
 
 def _compare(what: str, got, want: torch.Tensor, where: str) -> None:
@@ -99,7 +100,7 @@ def _run_cases(ctx, fn: Callable, kind: str) -> int:
     p, r = ctx.world_size, ctx.rank
     for numel, dtype in CASES:
         where = f"world_size={p}, numel={numel}, dtype={str(dtype).replace('torch.', '')}, rank {r}"
-        x = _data(r, numel, dtype)
+        x = _data(r, numel, dtype, ctx.device)
         if kind == "ring_all_reduce":
             want = x.clone()
             dist.all_reduce(want)
@@ -109,7 +110,7 @@ def _run_cases(ctx, fn: Callable, kind: str) -> int:
             dist.all_gather(parts, x)
             want, arg = torch.stack(parts), x.clone()
         else:
-            arg = [_data(r, numel, dtype, salt=100 + j) for j in range(p)]
+            arg = [_data(r, numel, dtype, ctx.device, salt=100 + j) for j in range(p)]
             want = [torch.empty_like(x) for _ in range(p)]
             dist.all_to_all(want, [a.clone() for a in arg])
         try:

@@ -48,13 +48,14 @@ def _compare(model: nn.Module, want: dict, where: str, world_size: int) -> None:
             assert p.grad is None, f"{where}: {n} is frozen (requires_grad=False) but now has a .grad"
             continue
         assert p.grad is not None, f"{where}: {n}.grad is None after your code ran"
-        diff = (p.grad - want[n]).abs().max().item()
+        grad = p.grad.cpu()
+        diff = (grad - want[n]).abs().max().item()
         if diff > TOL:
-            ratio = (p.grad.norm() / want[n].norm()).item()
+            ratio = (grad.norm() / want[n].norm()).item()
             hint = f" (|your grad| / |expected| = {ratio:.4g})"
             if world_size > 1 and abs(ratio - world_size) < 1e-6:
                 hint = f" (it is {world_size}x the average: the sum over ranks; divide by world_size)"
-            elif world_size > 1 and (p.grad - want[n]).abs().max() > 1e-3 and abs(ratio - 1) > 0.05:
+            elif world_size > 1 and (grad - want[n]).abs().max() > 1e-3 and abs(ratio - 1) > 0.05:
                 hint += "; is it still this rank's own gradient (not all-reduced)?"
             raise AssertionError(
                 f"{where}: {n}.grad differs from the whole batch's gradient by up to {diff:.3g}{hint}"
@@ -66,8 +67,8 @@ def _grad_rank(ctx, fn: Callable, kind: str, batch: tuple, want: dict) -> int:
 
     from parallel_lab.data_parallel import shard_batch
 
-    x, y = shard_batch(batch, ctx.rank, ctx.world_size)
-    model = _model()
+    x, y = (t.to(ctx.device) for t in shard_batch(batch, ctx.rank, ctx.world_size))
+    model = _model().to(ctx.device)  # the learner's all-reduces run on this rank's device (NCCL: a GPU)
     where = f"world_size={ctx.world_size}, rank {ctx.rank}"
     if kind == "average":
         model(x, y).backward()

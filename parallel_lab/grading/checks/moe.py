@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,9 +127,12 @@ def _only_all_to_all() -> Iterator[None]:
             setattr(dist, name, fn)
 
 
-def _experts(E: int, d: int) -> list[Callable]:
+def _experts(E: int, d: int, device: Any = "cpu") -> list[Callable]:
     """Expert e: x -> tanh(x @ W_e) + e, small and different per expert (same on every rank)."""
-    ws = [torch.randn(d, d, generator=torch.Generator().manual_seed(500 + e)) / d**0.5 for e in range(E)]
+    ws = [
+        (torch.randn(d, d, generator=torch.Generator().manual_seed(500 + e)) / d**0.5).to(device)
+        for e in range(E)
+    ]
     return [lambda x, w=w, e=e: torch.tanh(x @ w) + e for e, w in enumerate(ws)]
 
 
@@ -152,7 +156,8 @@ def _run_dispatch(ctx, fn: Callable, cases) -> int:
         tokens, gates = _routing(r, n, E, C)
         every = _experts(E, d)
         L = E // p
-        mine = {e: every[e] for e in range(r * L, (r + 1) * L)}
+        on_device = _experts(E, d, ctx.device)  # the learner's experts run where its tokens are
+        mine = {e: on_device[e] for e in range(r * L, (r + 1) * L)}
         want = torch.zeros(n, d)
         for e in range(E):
             for s in range(C):
@@ -161,7 +166,7 @@ def _run_dispatch(ctx, fn: Callable, cases) -> int:
                     want[t] += gates[e, s] * every[e](x[t : t + 1])[0]
         try:
             with _only_all_to_all():
-                got = fn(ctx, x.clone(), tokens.clone(), gates.clone(), mine)
+                got = fn(ctx, x.to(ctx.device), tokens.to(ctx.device), gates.to(ctx.device), mine)
         except NotImplementedError:
             raise
         except AssertionError as e:
@@ -171,7 +176,8 @@ def _run_dispatch(ctx, fn: Callable, cases) -> int:
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != (n, d):
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise AssertionError(f"{where}: expected a ({n}, {d}) tensor, got {shape}")
-        err = (got.detach().float() - want).abs()
+        got = got.detach().cpu()
+        err = (got.float() - want).abs()
         if err.max() > 1e-5:
             t = int(err.amax(1).argmax())
             raise AssertionError(

@@ -28,8 +28,9 @@ ATOL, RTOL = 1e-5, 1e-4
 B, T, IN, OUT = 3, 5, 12, 24  # in/out features divisible by every world size above
 
 
-def _t(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+def _t(*shape: int, seed: int, device: Any) -> torch.Tensor:
+    """Seeded on the CPU (the same numbers on every machine), then on the rank's device."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def _close(what: str, got: Any, want: torch.Tensor, where: str, hint: str = "") -> None:
@@ -68,7 +69,12 @@ def _grad(where: str, t: torch.Tensor, what: str) -> torch.Tensor:
 def _column_rank(ctx, Fn) -> int:
     p, r = ctx.world_size, ctx.rank
     where = f"ColumnParallelLinear, world_size={p}, rank {r}"
-    w, b, x0, gy = _t(OUT, IN, seed=1), _t(OUT, seed=2), _t(B, T, IN, seed=3), _t(B, T, OUT, seed=4)
+    w, b, x0, gy = (
+        _t(OUT, IN, seed=1, device=ctx.device),
+        _t(OUT, seed=2, device=ctx.device),
+        _t(B, T, IN, seed=3, device=ctx.device),
+        _t(B, T, OUT, seed=4, device=ctx.device),
+    )
     x = x0.clone().requires_grad_()
     wf, bf = w.clone().requires_grad_(), b.clone().requires_grad_()
     (F.linear(x, wf, bf) * gy).sum().backward()  # the full layer: the reference
@@ -92,7 +98,12 @@ def _column_rank(ctx, Fn) -> int:
 def _row_rank(ctx, Fn) -> int:
     p, r = ctx.world_size, ctx.rank
     where = f"RowParallelLinear, world_size={p}, rank {r}"
-    w, b, x0, gy = _t(IN, OUT, seed=5), _t(IN, seed=6), _t(B, T, OUT, seed=7), _t(B, T, IN, seed=8)
+    w, b, x0, gy = (
+        _t(IN, OUT, seed=5, device=ctx.device),
+        _t(IN, seed=6, device=ctx.device),
+        _t(B, T, OUT, seed=7, device=ctx.device),
+        _t(B, T, IN, seed=8, device=ctx.device),
+    )
     x = x0.clone().requires_grad_()
     wf, bf = w.clone().requires_grad_(), b.clone().requires_grad_()
     (F.linear(x, wf, bf) * gy).sum().backward()
@@ -120,28 +131,28 @@ def _row_rank(ctx, Fn) -> int:
 def _fg_rank(ctx, f, g) -> int:
     p, r = ctx.world_size, ctx.rank
     where = f"f/g, world_size={p}, rank {r}"
-    x = _t(B, IN, seed=9).requires_grad_()
+    x = _t(B, IN, seed=9, device=ctx.device).requires_grad_()
     y = _call(f"{where}, f forward", f.apply, x, ctx, None)
     _close("f's output", y, x.detach(), f"{where}", "f is the identity in forward")
-    coeff = [_t(B, IN, seed=10 + k) for k in range(p)]  # each rank's own upstream gradient
+    coeff = [_t(B, IN, seed=10 + k, device=ctx.device) for k in range(p)]  # each rank's own upstream gradient
     _call(f"{where}, f backward", lambda: (y * coeff[r]).sum().backward())
     _close("f's input gradient", _grad(where, x, "x"), sum(coeff), where,
            "f's backward all-reduces: every rank gets the sum of all ranks' gradients")  # fmt: skip
-    parts = [_t(B, IN, seed=20 + k) for k in range(p)]
+    parts = [_t(B, IN, seed=20 + k, device=ctx.device) for k in range(p)]
     xr = parts[r].clone().requires_grad_()
     z = _call(f"{where}, g forward", g.apply, xr, ctx, None)
     _close("g's output", z, sum(parts), where, "g's forward all-reduces the partial sums")
-    gz = _t(B, IN, seed=30)
+    gz = _t(B, IN, seed=30, device=ctx.device)
     _call(f"{where}, g backward", lambda: (z * gz).sum().backward())
     _close("g's input gradient", _grad(where, xr, "x"), gz, where,
            "g's backward is the identity (an all-reduce there would multiply it by p)")  # fmt: skip
     # Megatron's MLP from them: f, column linear, GeLU, row linear, g
     w1, b1, w2, b2, x0 = (
-        _t(OUT, IN, seed=40),
-        _t(OUT, seed=41),
-        _t(IN, OUT, seed=42),
-        _t(IN, seed=43),
-        _t(B, IN, seed=44),
+        _t(OUT, IN, seed=40, device=ctx.device),
+        _t(OUT, seed=41, device=ctx.device),
+        _t(IN, OUT, seed=42, device=ctx.device),
+        _t(IN, seed=43, device=ctx.device),
+        _t(B, IN, seed=44, device=ctx.device),
     )
     xf, w1f, w2f = x0.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
     (F.linear(F.gelu(F.linear(xf, w1f, b1)), w2f, b2) * gz).sum().backward()

@@ -50,6 +50,8 @@ def _zero1_case(ctx, fn: Callable) -> str:
     init = torch.randn(_NUMEL, generator=g)  # the same weights on every rank
     flat_param = torch.cat([init, torch.zeros(padded - _NUMEL)])  # (P,) padded
     flat_grad = torch.zeros(padded)
+    # seeded on the CPU, then on the rank's device (the learner's collectives run there)
+    flat_param, flat_grad = flat_param.to(ctx.device), flat_grad.to(ctx.device)
     shard = flat_param.view(p, shard_n)[r].detach().requires_grad_()  # (S,) a view: updating it updates flat
     opt = torch.optim.Adam([shard], lr=0.05)
     ref = init.clone().requires_grad_()  # one process, averaged gradients
@@ -57,7 +59,7 @@ def _zero1_case(ctx, fn: Callable) -> str:
     where = f"world_size={p}, rank {r}, {_NUMEL} parameters padded to {padded}"
     seen: list[torch.Tensor] = []
     opt.register_step_pre_hook(
-        lambda o, a, k: seen.append(shard.grad.detach().clone() if shard.grad is not None else None)
+        lambda o, a, k: seen.append(shard.grad.detach().cpu() if shard.grad is not None else None)
     )
     for step in range(_STEPS):
         grads = [
@@ -96,7 +98,7 @@ def _zero1_case(ctx, fn: Callable) -> str:
             "comms.ring_all_gather of the updated slice" + (" (nothing was counted: use parallel_lab.comms, "
             "not torch.distributed directly)" if sent == 0 else "")
         )  # fmt: skip
-        diff = (flat_param[:_NUMEL] - ref.detach()).abs().max().item()
+        diff = (flat_param[:_NUMEL].cpu() - ref.detach()).abs().max().item()
         assert diff <= 1e-5, (
             f"{where}, step {step}: parameters differ from one process running Adam on the averaged gradients "
             f"by up to {diff:.3g}" + (" (did you divide the summed gradient by the world size?)" if diff > 1e-3 else "")
@@ -106,7 +108,7 @@ def _zero1_case(ctx, fn: Callable) -> str:
             f"{where}: the optimizer must step this rank's slice (shard), keeping Adam's state for {shard_n} "
             "elements only"
         )
-        assert torch.equal(flat_param[_NUMEL:], torch.zeros(padded - _NUMEL)), (
+        assert torch.equal(flat_param[_NUMEL:].cpu(), torch.zeros(padded - _NUMEL)), (
             f"{where}, step {step}: the padding must stay zero (its gradient is zero: reduce the padded buffer)"
         )
     return flat_param[:_NUMEL].sum().item()
@@ -143,6 +145,8 @@ def _zero3_case(ctx, fn: Callable) -> list[float]:
     x = torch.randn(4, _DIMS[0], generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = full(x)  # (4, 3) the unsharded model's output
+    full.to(ctx.device)  # the layers, in place: sharded and gathered on this rank's device
+    x = x.to(ctx.device)
     sizes, handles = [], []
     for i, layer in enumerate(layers):
         shapes = [q.shape for q in layer.parameters()]
@@ -151,7 +155,7 @@ def _zero3_case(ctx, fn: Callable) -> list[float]:
         flat = torch.cat([flat, flat.new_zeros(n * p - flat.numel())])  # (N*S,) padded
         shard = flat.view(p, n)[r].clone()  # (S,) all this rank keeps
         for q in layer.parameters():
-            q.data = torch.empty(0)
+            q.data = torch.empty(0, device=ctx.device)
         sizes.append(sum(s.numel() for s in shapes) * 4)
         try:
             out = fn(ctx, layer, shard, shapes)
@@ -181,6 +185,7 @@ def _zero3_case(ctx, fn: Callable) -> list[float]:
         for h in probes:
             h.remove()
         live = mem.snapshot()["param"]
+    got = got.cpu()
     assert got.shape == want.shape and torch.equal(got, want), (
         f"{where}: output differs from the unsharded model by up to {(got - want).abs().max().item():.3g}"
         if got.shape == want.shape else f"{where}: output shape {tuple(got.shape)}, expected {tuple(want.shape)}"

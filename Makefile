@@ -33,8 +33,10 @@ lint: setup
 # The whole suite: lint, unit and multi-rank tests, exercises, browser, and every lesson and
 # solution notebook executed headless by nbval (in this environment's kernel).
 # PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS=--junitxml=runs/junit.xml for per-cell times.
+# A figure with a glyph its font lacks (drawn as an empty box) fails the run: PYTHONWARNINGS reaches the kernels.
 test: setup browser lint
-	$(PY) -m pytest tests notebooks solutions --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -q $(PYTEST_ARGS)
+	PYTHONWARNINGS="error:Glyph:UserWarning" $(PY) -m pytest tests notebooks solutions --nbval-lax --nbval-current-env \
+	  --nbval-cell-timeout=300 -q $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest tests -q -m "not slow and not browser"

@@ -1,15 +1,19 @@
-"""Real-browser smoke test: JupyterLab + headless Chromium run the tour from a clean kernel.
+"""Real-browser tests: every lesson run in JupyterLab + headless Chromium, its widgets moved as a learner would.
 
-What nbval cannot see: that figures and widgets actually render in JupyterLab. The tour is copied
-to a temporary root first (the repository's file is never touched), JupyterLab serves that root,
-Chromium (driven by playwright's sync API) clears all outputs, runs all cells, and we assert on the
-rendered page. Needs Debian's chromium (`apt-get install -y chromium`) and the `playwright` package;
-their absence is a failure, not a skip.
+What nbval cannot see: that figures and widgets render and respond in JupyterLab. The lessons are
+copied to a temporary root (the repository's files are never touched), one JupyterLab serves it,
+and for each lesson Chromium (playwright's sync API) clears all outputs, runs all cells, and then
+moves every control of every `interactive` view to two other values. After each move: exactly one
+figure in that view's figure area, a different image than before, no error. A view that draws
+live must show more than one frame during a run and end on the final figure. Screenshots go to
+runs/browser/ (not committed). Needs Debian's chromium (`apt-get install -y chromium`) and the
+`playwright` package; their absence is a failure, not a skip.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -151,7 +155,7 @@ def jupyter_lab(root: Path, home: Path):
         psutil.wait_procs(alive, timeout=10)
 
 
-def run_in_browser(base: str, token: str, notebook: str, shots: Path) -> dict:
+def run_in_browser(base: str, token: str, notebook: str, shots: Path) -> dict:  # noqa: D401 - kept for tools
     """Open `notebook`, clear outputs, run all cells, wait; returns what rendered (and takes screenshots)."""
     from playwright.sync_api import sync_playwright
 
@@ -217,7 +221,21 @@ def _cell_seconds(timing: dict | None) -> float:
     return (t["shell.execute_reply"] - t["iopub.execute_input"]).total_seconds()
 
 
-def test_tour_runs_in_jupyterlab_with_figures_and_widgets(tmp_path):
+LESSONS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SHOTS = REPO / "runs" / "browser"
+
+# JavaScript for the interactive views (plots.interactive marks their parts with these classes).
+JS_VIEWS = """() => [...document.querySelectorAll('.pl-interactive')].map(v => ({
+  status: (v.querySelector('.pl-status') || {innerText: ''}).innerText,
+  images: v.querySelectorAll('.pl-figure img').length,
+  outputs: v.querySelectorAll('.pl-figure .jp-OutputArea-child').length,
+  src: (v.querySelector('.pl-figure img') || {src: ''}).src,
+  text: (v.querySelector('.pl-figure pre') || {innerText: ''}).innerText,
+  running: !!(v.querySelector('.pl-controls button') || {disabled: false}).disabled,
+}))"""
+
+
+def _requirements() -> None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
@@ -226,31 +244,169 @@ def test_tour_runs_in_jupyterlab_with_figures_and_widgets(tmp_path):
         pytest.fail(
             f"Chromium not found at {CHROMIUM}: install it with `apt-get install -y chromium` (Debian)"
         )
-    source = REPO / NOTEBOOK
-    assert source.is_file(), f"{NOTEBOOK} is missing"
-    before = source.read_bytes()
-    # A private copy of the lesson folder; ../runs exists because the tour writes traces there.
-    root = tmp_path / "root"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """One JupyterLab for every lesson, serving a private copy of notebooks/ (and ../runs)."""
+    _requirements()
+    root = tmp_path_factory.mktemp("root")
     shutil.copytree(
-        source.parent, root / source.parent.name, ignore=shutil.ignore_patterns(".ipynb_checkpoints")
+        REPO / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints")
     )
     (root / "runs").mkdir()
-    (tmp_path / "home").mkdir()
-    with jupyter_lab(root, tmp_path / "home") as (base, token):
-        seen = run_in_browser(base, token, NOTEBOOK, tmp_path)
-    print(f"screenshots in {tmp_path}; ran in {seen['seconds']:.1f} s; per cell (JupyterLab's timing):")
-    for c in seen["cells"]:
-        print(f"  {_cell_seconds(c.get('timing')):6.1f} s  {c['head']}")
-    assert source.read_bytes() == before, f"{NOTEBOOK} changed on disk"
-    not_run = [i for i, c in enumerate(seen["cells"]) if c["count"] is None]
-    errors = [e for c in seen["cells"] for e in c["errors"]]
-    assert not errors and not seen["error_outputs"] and not seen["tracebacks"], (
-        f"errors in the notebook: {errors} {seen['error_outputs']} {seen['tracebacks']}"
+    home = tmp_path_factory.mktemp("home")
+    with jupyter_lab(root, home) as (base, token):
+        yield base, token
+
+
+def _digest(view: dict) -> str:
+    return hashlib.sha1((view["src"] or view["text"]).encode()).hexdigest()
+
+
+def _wait_view(page, i: int, before: str | None, timeout_s: float = 240.0) -> tuple[dict, int]:
+    """Wait until view i has finished a run (button enabled again, status says done or an error);
+    returns its state and how many distinct images it showed meanwhile (live frames)."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    started = False
+    while time.monotonic() < deadline:
+        v = page.evaluate(JS_VIEWS)[i]
+        if v["src"]:
+            seen.add(v["src"])
+        started = started or v["running"] or (before is not None and _digest(v) != before)
+        if started and not v["running"] and ("done in" in v["status"] or "Error" in v["status"]):
+            return v, len(seen)
+        time.sleep(0.05)
+    raise AssertionError(f"view {i} did not finish a run within {timeout_s} s: {page.evaluate(JS_VIEWS)[i]}")
+
+
+def _move(page, view, control, k: int) -> str:
+    """Move one control of a view to another value (k = 1: one way, k = 2: the other); returns what it did."""
+    kind = control.evaluate(
+        "n => n.querySelector('select') ? 'select' : n.querySelector('.noUi-handle') ? 'slider' :"
+        " n.querySelector('input[type=checkbox]') ? 'checkbox' : n.querySelector('input') ? 'input' : 'other'"
     )
-    assert not not_run, (
-        f"code cells {not_run} (0-based, among code cells) never ran; kernel: {seen['kernel']}"
-    )
-    assert seen["images"] >= 1, "no matplotlib figure rendered (.jp-RenderedImage img)"
-    assert seen["widgets"] >= 1 and seen["widget_errors"] == 0, (
-        f"no widget rendered ({seen['widgets']} views, {seen['widget_errors']} 'Error displaying widget')"
-    )
+    if kind == "select":
+        sel = control.locator("select")
+        n = sel.locator("option").count()
+        idx = (sel.evaluate("s => s.selectedIndex") + 1) % n  # the next option, each time
+        sel.select_option(index=idx)
+        return f"select -> option {idx}"
+    if kind == "slider":
+        handle = control.locator(".noUi-handle").first
+        now, low, top = (
+            float(handle.get_attribute(a) or 0) for a in ("aria-valuenow", "aria-valuemin", "aria-valuemax")
+        )
+        up = now < top if k == 1 else now <= low  # first move up (down at the top), then two steps down
+        key = "ArrowRight" if up else "ArrowLeft"
+        handle.focus()
+        for _ in range(k):
+            handle.press(key)
+        return f"slider {key} x{k}"
+    if kind == "checkbox":
+        control.locator("input[type=checkbox]").click()
+        return "checkbox toggled"
+    if kind == "input":
+        box = control.locator("input").first
+        value = int(box.input_value() or 0)
+        box.fill(str(value + (7 if k == 1 else -3)))
+        box.press("Enter")
+        return f"input {value} -> {value + (7 if k == 1 else -3)}"
+    return "untouched"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_lesson_in_jupyterlab(lesson, lab):
+    """Run All, then every control of every interactive view moved twice; one figure per area, always."""
+    from playwright.sync_api import sync_playwright
+
+    base, token = lab
+    notebook = f"notebooks/{lesson}"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    stem = lesson.removesuffix(".ipynb")
+    report: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page_errors: list[str] = []
+            page.on("pageerror", lambda e: page_errors.append(str(e)))
+            # a workspace of its own: the page holds this lesson only (not the tabs a previous test left)
+            page.goto(
+                f"{base}/lab/workspaces/{stem}/tree/{notebook}?token={token}&reset",
+                wait_until="domcontentloaded",
+                timeout=90_000,
+            )
+            page.wait_for_function(JS_READY, timeout=120_000, polling=250)
+            page.evaluate("() => window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
+            page.wait_for_function(
+                f"() => document.querySelectorAll('{IMAGES}').length === 0", timeout=30_000
+            )
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            start = time.monotonic()
+            page.wait_for_function(JS_DONE, timeout=RUN_TIMEOUT_S * 1000, polling=500)
+            run_all = time.monotonic() - start
+            cells = page.evaluate(JS_CELLS)
+            errors = [e for c in cells for e in c["errors"]]
+            assert not errors, f"{lesson}: errors after Run All: {errors}"
+            assert all(c["count"] is not None for c in cells), f"{lesson}: some cells never ran"
+            page.wait_for_timeout(500)  # widget views attach after the kernel is idle
+            views = page.evaluate(JS_VIEWS)
+            report.append(f"{lesson}: Run All {run_all:.1f} s, {len(views)} interactive view(s)")
+            for i, v in enumerate(views):
+                assert v["images"] + (1 if v["text"] else 0) == 1, f"{lesson} view {i}: {v}"
+                assert "done in" in v["status"], f"{lesson} view {i} after Run All: {v['status']}"
+                box = page.locator(".pl-interactive").nth(i)
+                controls = box.locator(".pl-controls > .widget-inline-hbox")
+                auto = "pl-auto" in (box.get_attribute("class") or "")
+                redraws = 0
+                for c in range(controls.count()):
+                    for k in (1, 2):
+                        before = _digest(page.evaluate(JS_VIEWS)[i])
+                        did = _move(page, box, controls.nth(c), k)
+                        if did == "untouched":  # not a control (the progress bar)
+                            break
+                        if not auto:  # an auto view redraws on the change itself
+                            box.locator(".pl-controls button").click()
+                        after, frames = _wait_view(page, i, before)
+                        where = f"{lesson} view {i}, control {c} ({did})"
+                        assert "Error" not in after["status"], f"{where}: {after['status']}"
+                        assert after["images"] + (1 if after["text"] else 0) == 1, f"{where}: {after}"
+                        assert after["outputs"] == 1, (
+                            f"{where}: {after['outputs']} outputs in the figure area"
+                        )
+                        assert _digest(after) != before, f"{where}: the figure did not change"
+                        redraws += 1
+                        if "live" in after["status"] or frames > 1:
+                            report.append(f"  view {i}: {frames} distinct frames during one run")
+                report.append(
+                    f"  view {i}: {redraws // 2} controls moved, {redraws} redraws checked"
+                    + (" (auto)" if auto else "")
+                )
+            live = _live_frames(page) if page.locator(".pl-live").count() else None
+            if live is not None:
+                assert live[0] > 1, f"{lesson}: the live view showed {live[0]} frame(s) during a run"
+                assert live[1], f"{lesson}: the live view did not end on the final figure"
+                report.append(f"  live view: {live[0]} frames, ended on the final figure")
+            assert not page_errors, f"{lesson}: page errors {page_errors}"
+            page.screenshot(path=str(SHOTS / f"{stem}.png"), full_page=False)
+        finally:
+            browser.close()
+            with contextlib.suppress(Exception):  # this lesson's kernel: the next lesson gets the cores
+                for kernel in json.loads(_get(f"{base}/api/kernels?token={token}")):
+                    _get(f"{base}/api/kernels/{kernel['id']}?token={token}", method="DELETE")
+    print("\n".join(report))
+
+
+def _live_frames(page) -> tuple[int, bool]:
+    """Press Run on the first view that draws live and count the distinct images it shows."""
+    views = page.locator(".pl-interactive")
+    i = next(j for j in range(views.count()) if "pl-live" in (views.nth(j).get_attribute("class") or ""))
+    before = _digest(page.evaluate(JS_VIEWS)[i])
+    views.nth(i).locator(".pl-controls button").click()
+    after, frames = _wait_view(page, i, before)
+    final = after["src"]
+    page.wait_for_timeout(300)
+    return frames, page.evaluate(JS_VIEWS)[i]["src"] == final and after["images"] == 1

@@ -78,3 +78,38 @@ def test_stored_notebook_reads_well(path):
         ):
             problems.append(f"cell {i}: check cell does not start with '# NBVAL_CHECK_OUTPUT'")
     assert not problems, "\n".join(problems)
+
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+MAX_WIDTH_PX = 960  # parallel_lab.plots.MAX_WIDTH_PX: the JupyterLab column at 100%
+
+
+def _png_width(b64: str) -> int:
+    import base64
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(b64))).size[0]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "notebooks").glob("*.ipynb")), ids=_id)
+def test_stored_widgets_carry_a_picture_and_images_fit_the_column(path):
+    """A saved lesson shows a picture where a widget was (on a web page, or before the kernel
+    runs), and every stored image reads at 100% in JupyterLab's column."""
+    nb = nbformat.read(path, as_version=4)
+    bare, wide = [], []
+    for i, c in enumerate(nb.cells):
+        for o in c.get("outputs", []):
+            data = o.get("data", {})
+            if (
+                WIDGET in data
+                and "image/png" not in data
+                and "text/plain" in data
+                and "interactive" in c.source
+            ):
+                bare.append(i)
+            if "image/png" in data and _png_width(data["image/png"]) > MAX_WIDTH_PX:
+                wide.append((i, _png_width(data["image/png"])))
+    assert not bare, f"cells {bare} store a widget view without its PNG"
+    assert not wide, f"images wider than {MAX_WIDTH_PX} px (cell, width): {wide}"

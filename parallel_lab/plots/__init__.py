@@ -19,17 +19,25 @@ Read in this order:
   memory.py    plot_memory: stacked live bytes by category, the prediction drawn over it
   bars.py      predicted-vs-measured bars and bytes per collective
   live.py      LiveRunView: the figure `launch(live=True)` redraws while ranks run
+  interactive.py  interactive(): controls, Run, progress and one figure replaced in place (every
+               lesson's widget cell), figures sized to read at 100% in JupyterLab
 
 This `__init__` is the public door.
 """
 
 from parallel_lab.plots.bars import plot_comm_bytes, plot_predicted_vs_measured
 from parallel_lab.plots.base import CATEGORY_COLORS, KIND_COLORS, byte_unit, chrome_events, memory_of
+from parallel_lab.plots.interactive import MAX_WIDTH_PX, FigureOutput, Interactive, figure_png, interactive
 from parallel_lab.plots.live import LiveRunView
 from parallel_lab.plots.memory import draw_memory, plot_memory
 from parallel_lab.plots.timeline import plot_timeline
 
 __all__ = [
+    "MAX_WIDTH_PX",
+    "FigureOutput",
+    "Interactive",
+    "figure_png",
+    "interactive",
     "CATEGORY_COLORS",
     "KIND_COLORS",
     "LiveRunView",

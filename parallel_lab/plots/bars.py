@@ -46,7 +46,7 @@ def plot_predicted_vs_measured(
     p = {k: bytes_value(v, f"predicted[{k!r}]") for k, v in predicted.items()}
     m = {k: bytes_value(v, f"measured[{k!r}]") for k, v in measured.items()}
     scale, uname = _scale([*p.values(), *m.values()], unit)
-    fig, ax = new_axes(ax, figsize=(max(4.5, 1.1 * len(keys) + 2.5), 3.6))
+    fig, ax = new_axes(ax, figsize=(min(9.4, max(4.5, 1.1 * len(keys) + 2.5)), 3.6))
     w = 0.38
     top = max([*p.values(), *m.values(), 0.0]) / scale
     for i, k in enumerate(keys):
@@ -128,7 +128,7 @@ def plot_comm_bytes(
     else:
         lines = {}
     scale, uname = byte_unit(max([*sent, *recv, *lines.values(), 0.0]), unit)
-    fig, ax = new_axes(ax, figsize=(max(4.5, 0.9 * len(per_rank) + 2.5), 3.4))
+    fig, ax = new_axes(ax, figsize=(min(9.4, max(4.5, 0.9 * len(per_rank) + 2.5)), 3.4))
     n = len(per_rank)
     w = 0.38
     xs = range(n)

@@ -16,6 +16,11 @@ which nbval would record frame by frame). A PNG bundle rather than `display(fig)
 keeps this independent of which matplotlib backend the kernel runs (inline,
 ipympl) and of whether pyplot has registered its formatters yet.
 
+Inside a widget: `target` (an ipywidgets `Output`, e.g. `interactive`'s figure area, passed
+as `launch(live=out)`) gets each frame as its one output instead. A display handle cannot be
+updated inside an `Output` (the frames would never show), so the frame replaces the Output's
+`outputs` tuple, and the run's final figure, drawn by the caller, replaces the last frame.
+
 Invariant: outside a Jupyter kernel (scripts, pytest) the view is inactive: every
 call is a cheap no-op, nothing is drawn or printed.
 """
@@ -64,6 +69,7 @@ class LiveRunView:
         min_interval: float = 0.2,
         title: str | None = None,
         active: bool | None = None,
+        target: Any = None,
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
@@ -78,7 +84,8 @@ class LiveRunView:
         self.memory = memory
         self.min_interval = float(min_interval)
         self.title = title or f"live run: {world_size} rank{'s' if world_size > 1 else ''}"
-        self.active = in_kernel() if active is None else bool(active)
+        self.target = target
+        self.active = (in_kernel() or target is not None) if active is None else bool(active)
         self.draws = 0
         self.updates = 0
         self.finished = False
@@ -89,9 +96,13 @@ class LiveRunView:
         self._next = -math.inf  # clock time before which update() does not redraw
         self._drawn: tuple[int, int] | None = None  # (events, samples) in the image on screen
         if self.active:
-            self.fig = Figure(figsize=(11.0, sum(h for _, h in self._parts())), layout="constrained")
+            self.fig = Figure(figsize=(9.4, sum(h for _, h in self._parts())), layout="constrained")
             FigureCanvasAgg(self.fig)
-            self.handle = _display(self._render([], []))
+            self.handle = _TargetHandle(target) if target is not None else None
+            if self.handle is not None:
+                self.handle.update(self._render([], []), raw=True)
+            else:
+                self.handle = _display(self._render([], []))
 
     def update(self, timeline: list[dict] | None = None, memory: list[dict] | None = None) -> bool:
         """Redraw if there is something new and `min_interval` (and 3x the last frame's
@@ -170,6 +181,16 @@ class LiveRunView:
                 )
                 if xlim is not None:  # one time window for both panels (memory axes share x)
                     axes[0].set_xlim(*xlim)
+
+
+class _TargetHandle:
+    """A display handle's `update`, for an ipywidgets Output: the frame becomes its one output."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+
+    def update(self, bundle: dict, raw: bool = True) -> None:
+        self.out.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
 
 
 def _display(bundle: dict) -> Any:

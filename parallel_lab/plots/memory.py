@@ -59,7 +59,7 @@ def plot_memory(
             sharey=True,
             squeeze=False,
             layout="constrained",
-            figsize=(min(3.2 * ncols + 1.6, 15), 2.6 * nrows + 0.6),
+            figsize=(min(2.2 * ncols + 1.2, 9.4), 2.4 * nrows + 0.6),  # <= 940 px at 100 dpi
         )
         axes = list(axs.flat)
         for extra in axes[n:]:

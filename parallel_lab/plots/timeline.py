@@ -45,7 +45,7 @@ def plot_timeline(
     events, ws = timeline_of(result_or_events)
     if ax is None:
         n = world_size or ws or (max((e["rank"] for e in events), default=0) + 1)
-        fig, ax = new_axes(None, figsize=(10, 1.1 + 0.75 * n))
+        fig, ax = new_axes(None, figsize=(9.4, 1.1 + 0.75 * n))
     fig = ax.figure
     draw_timeline(
         ax, events, world_size or ws, title=title, color_by=color_by, show_legend=show_legend, labels=labels

@@ -194,7 +194,7 @@ def launch(
     *args: Any,
     backend: str = "auto",
     timeout: float = 120.0,
-    live: bool = False,
+    live: Any = False,
     track_memory: bool = False,
     seed: int = 0,
     threads: int | None = None,
@@ -206,13 +206,16 @@ def launch(
 
     backend "auto" picks NCCL with one GPU per rank where enough GPUs exist, else
     gloo on CPU. `live=True` draws the timeline (and memory, with
-    `track_memory=True`) while the run goes, in a notebook. `threads`: torch threads
+    `track_memory=True`) while the run goes, in a notebook; `live=out` (an ipywidgets
+    `Output`) draws it inside that widget. `threads`: torch threads
     per rank; forked ranks use 1 (OpenMP pools do not survive fork), so asking for more
     starts ranks with spawn instead (slower to start: each imports torch).
     """
     import multiprocessing as mp
 
     _check_args(fn, world_size, timeout, backend, start_method, threads)
+    if not isinstance(live, bool) and not hasattr(live, "outputs"):
+        raise TypeError(f"live must be True, False or an ipywidgets Output, got {type(live).__name__}")
     backend = mesh.resolve_backend(backend, world_size)
     start_method = choose_start_method(start_method, backend, threads)
     if threads is None:
@@ -253,10 +256,12 @@ def launch(
         for r in range(world_size)
     ]
     view = None
-    if live:
+    if live is not False and live is not None:
         from parallel_lab.plots import LiveRunView
 
-        view = LiveRunView(world_size, timeline=True, memory=track_memory)
+        # live=True: under the cell; live=<ipywidgets Output>: inside that widget (interactive cells)
+        target = None if live is True else live
+        view = LiveRunView(world_size, timeline=True, memory=track_memory, target=target)
     timeline: list[dict] = []
     memory: list[dict] = []
     values: dict[int, Any] = {}

@@ -132,7 +132,7 @@ def plot_mesh(dims: ParallelDims, gpus_per_node: int | None = None):
     from matplotlib.patches import FancyBboxPatch, Rectangle
 
     cols, rows = dims.dp * dims.tp, dims.pp
-    fig, axes = plt.subplots(1, 3, figsize=(3.2 * 3 * max(1, cols / 4) ** 0.5 + 1, 1.0 + 0.9 * rows),
+    fig, axes = plt.subplots(1, 3, figsize=(min(9.4, 3.0 * 3 * max(1, cols / 4) ** 0.5 + 0.4), 1.0 + 0.9 * rows),
                              layout="constrained")  # fmt: skip
     palette = plt.get_cmap("tab10")
     titles = {"tp": "TP groups (all-reduce per layer)", "dp": "DP groups (gradient all-reduce)",

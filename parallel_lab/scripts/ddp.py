@@ -174,7 +174,7 @@ def plot_step(
 
     ranks = list(range(result.world_size)) if ranks is None else ranks
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 0.5 + 1.0 * len(ranks)), layout="constrained")
+        _, ax = plt.subplots(figsize=(9.4, 0.5 + 1.0 * len(ranks)), layout="constrained")
     rows = []
     for r in ranks:
         t0, t1 = result.values[r]["step_starts"][step : step + 2]

@@ -30,7 +30,7 @@ def plot_zero_states(
     rows = {s: costmodel.model_state_bytes(num_params, world_size, s, optimizer, precision) for s in range(4)}
     scale, uname = byte_unit(rows[0]["total"], unit)
     if ax is None:
-        fig, ax = plt.subplots(figsize=(9, 2.8), layout="constrained")
+        fig, ax = plt.subplots(figsize=(9.4, 2.8), layout="constrained")
     fig = ax.figure
     names = {0: "stage 0 (DP)", 1: "stage 1: P_os", 2: "stage 2: P_os+g", 3: "stage 3: P_os+g+p"}
     for y, s in enumerate(range(3, -1, -1)):
@@ -62,7 +62,7 @@ def plot_stage_memory(
     top = max((sum(m["bytes"].values()) for s in stages for m in per[s]), default=0)
     top = max([top, *((p or {}).get("total", 0) for p in (predicted or {}).values())])
     scale, uname = byte_unit(top, unit)
-    fig, axes = plt.subplots(1, len(stages), figsize=(3.3 * len(stages) + 1.4, 3.2), sharey=True,
+    fig, axes = plt.subplots(1, len(stages), figsize=(min(9.4, 2.2 * len(stages) + 1.0), 3.2), sharey=True,
                              squeeze=False, layout="constrained")  # fmt: skip
     axes = list(axes[0])
     for ax, s in zip(axes, stages):

@@ -139,8 +139,9 @@ class Interactive:
             if isinstance(fig, str):
                 self.figure.show_text(f"[{what}]\n{fig}")
             else:
-                # the picture says what produced it (a control that does not apply still shows here)
-                fig.text(0.995, 0.003, what, fontsize=7, color="#666666", ha="right", va="bottom")
+                # the picture says what produced it: every control's value, those that did not apply too
+                stamp = ", ".join(f"{k}={v}" for k, v in values.items())
+                fig.text(0.995, 0.003, stamp, fontsize=7, color="#666666", ha="right", va="bottom")
                 self.figure.show(fig, f"<{what}>")
         except Exception as e:  # shown once, in the status line; the last good figure stays
             self.errors += 1

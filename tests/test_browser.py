@@ -300,8 +300,16 @@ def _move(page, view, control, k: int) -> str:
         )
         up = now < top if k == 1 else now <= low  # first move up (down at the top), then two steps down
         key = "ArrowRight" if up else "ArrowLeft"
-        handle.focus()
-        for _ in range(k):
+        for step in range(k):  # one key at a time: each press is one change the view reacts to
+            if step:
+                page.wait_for_timeout(400)
+                page.wait_for_function(
+                    "([n]) => !document.querySelectorAll('.pl-interactive')[n].querySelector('.pl-controls button')"
+                    ".disabled",
+                    arg=[_index(page, view)],
+                    timeout=240_000,
+                )
+            handle.focus()
             handle.press(key)
         return f"slider {key} x{k}"
     if kind == "checkbox":
@@ -396,6 +404,11 @@ def test_lesson_in_jupyterlab(lesson, lab):
                 for kernel in json.loads(_get(f"{base}/api/kernels?token={token}")):
                     _get(f"{base}/api/kernels/{kernel['id']}?token={token}", method="DELETE")
     print("\n".join(report))
+
+
+def _index(page, view) -> int:
+    """The position of `view` among the page's interactive views."""
+    return view.evaluate("v => [...document.querySelectorAll('.pl-interactive')].indexOf(v)")
 
 
 def _live_frames(page) -> tuple[int, bool]:

@@ -56,6 +56,7 @@ class FigureOutput:
         self.max_width_px = max_width_px
         self.draws = 0
         self.last_png: str | None = None
+        self.last_text: str | None = None  # when the area shows text instead of a figure
 
     def show(self, fig: Figure, text: str = "<figure>") -> str:
         """Replace what the area shows with `fig`; closes the figure if pyplot holds it."""
@@ -67,12 +68,12 @@ class FigureOutput:
     def show_text(self, text: str) -> None:
         """Replace what the area shows with preformatted text (a table, a plan)."""
         self.widget.outputs = ({"output_type": "stream", "name": "stdout", "text": text.rstrip("\n") + "\n"},)
-        self.last_png = None
+        self.last_png, self.last_text = None, text
         self.draws += 1
 
     def show_png(self, png: str, text: str = "<figure>") -> None:
         self.widget.outputs = (png_output(png, text),)
-        self.last_png = png
+        self.last_png, self.last_text = png, None
         self.draws += 1
 
 
@@ -164,7 +165,9 @@ class Interactive:
         bundle = dict(self.box._repr_mimebundle_())
         if self.figure.last_png is not None:
             bundle["image/png"] = self.figure.last_png
-        bundle["text/plain"] = f"<interactive figure: {self.describe(**self.values())}>"
+        # a text result (a table, a plan) is what a saved notebook shows in its place
+        text = self.figure.last_text
+        bundle["text/plain"] = text if text else f"<interactive figure: {self.describe(**self.values())}>"
         return bundle
 
     def display(self) -> None:

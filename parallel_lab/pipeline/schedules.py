@@ -159,7 +159,8 @@ def max_in_flight(name: str, stages: int, microbatches: int = 1, chunks: int = 1
     """Most (micro-batch, chunk) activations a rank may hold at once under schedule `name`.
 
     naive 1; GPipe m; 1F1B min(p, m); interleaved min(v*m, (v-1)p + 2(p-1) + 1) chunk
-    activations, each 1/v of a stage's, i.e. about p(1 + 1/v) stage activations on rank 0."""
+    activations, each 1/v of a stage's: p + (p-1)/v stage activations on rank 0 (Korthikanti et al. 2022,
+    §4.2.3), 5.5 for p = 4, v = 2."""
     p, m, v = stages, microbatches, chunks
     return {
         "naive": 1,

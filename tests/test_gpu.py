@@ -70,14 +70,28 @@ def test_family_on_nccl(family, tmp_path):
     comm = [e for e in res.timeline if e["kind"] == "comm"]
     assert comm and all(e["args"].get("clock") == "cuda_event" for e in comm)
     assert sum(e["end"] - e["start"] for e in comm) > 0
+    _cross_check_memory(res)
+
+
+def _cross_check_memory(res: RunResult) -> None:
+    """Every memory sample taken on a GPU carries the caching allocator's own count: the
+    tracker's categories (logical bytes) never exceed what the allocator handed out."""
+    samples = [s for s in res.memory if "device" in s]
+    assert len(samples) == len(res.memory), "a CUDA sample without the allocator's count"
+    for s in samples:
+        d = s["device"]
+        assert d["tracked"] == sum(s["bytes"].values())
+        assert d["tracked"] <= d["allocated"] <= d["max_allocated"], (s["label"], d)
+        assert d["allocated"] <= d["reserved"], (s["label"], d)
 
 
 @pytest.mark.skipif(GPUS < 8, reason="3D needs 8 GPUs")
 def test_three_d_on_nccl(tmp_path):
     trace = tmp_path / "trace.json"
-    args = "parallel_lab.scripts.three_d --dp 2 --tp 2 --pp 2 --steps 2 --no-memory".split()
+    args = "parallel_lab.scripts.three_d --dp 2 --tp 2 --pp 2 --steps 2".split()
     out = _run([str(BIN / "torchrun"), "--nproc-per-node", "8", "-m", *args, "--trace", str(trace)])
     assert out.returncode == 0 and "matches single-process training" in out.stdout, out.stderr[-4000:]
+    _cross_check_memory(RunResult.load(str(trace)))
 
 
 NOTEBOOK_PARENT = textwrap.dedent(

@@ -365,3 +365,18 @@ def test_category_labels_are_per_thread():
     snap = mem.snapshot()
     mem.stop()
     assert snap["comm"] == 0 and snap["other"] == 4000
+
+
+def test_cuda_samples_carry_the_allocator_count(monkeypatch):
+    """On CUDA a memory sample holds the caching allocator's count beside the categories
+    (emulated here: the device-stats call is the only CUDA-specific piece)."""
+    from parallel_lab.runtime import device as dev
+    from parallel_lab.runtime.trace import Recorder
+
+    stats = {"allocated": 10_000, "max_allocated": 12_000, "reserved": 20_000}
+    monkeypatch.setattr(dev, "device_memory_stats", lambda device: dict(stats))
+    with MemoryTracker("cpu") as mem:
+        x = torch.ones(256)  # 1 KiB the tracker sees
+        rec = Recorder(rank=0)
+        s = mem.sample(rec, "after x")
+    assert s["device"] == {**stats, "tracked": x.numel() * 4, "untracked": 10_000 - 1024}

@@ -130,6 +130,18 @@ def device_memory_allocated(device: torch.device) -> int | None:
     return None
 
 
+def device_memory_stats(device: torch.device) -> dict[str, int] | None:
+    """The caching allocator's own counts on a CUDA device (None on CPU): bytes handed out
+    now and at their peak, and bytes reserved from the driver (handed out + cached)."""
+    if not is_cuda(device):
+        return None
+    return {
+        "allocated": torch.cuda.memory_allocated(device),
+        "max_allocated": torch.cuda.max_memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+    }
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued kernels so timings are honest (no-op on CPU)."""
     if is_cuda(device):

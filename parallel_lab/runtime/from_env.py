@@ -95,6 +95,27 @@ def env_backend(backend: str = "auto") -> str:
     return "nccl"
 
 
+def script_world(nproc: int) -> int:
+    """The world size a script will run at: the launcher's WORLD_SIZE, else its --nproc."""
+    return int(os.environ.get("WORLD_SIZE", nproc))
+
+
+def scaled_default(flag: str, given: int | None, world: int, rule: Callable[[int], int]) -> int:
+    """A script default that divides at any world size: `given` when the learner set the flag,
+    else `rule(world)`, said once (by rank 0) when it differs from the 4-rank default."""
+    if given is not None:
+        return given
+    value = rule(world)
+    if value != rule(4) and os.environ.get("RANK", "0") == "0":
+        print(f"{flag} {value}: the default scaled to {world} ranks", flush=True)
+    return value
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is at least `n`."""
+    return -(-n // multiple) * multiple
+
+
 def run_script(
     fn: Callable[..., Any],
     *args: Any,

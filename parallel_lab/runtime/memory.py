@@ -319,22 +319,22 @@ class MemoryTracker:
         finally:
             recorder.memory = prev
 
-    def cross_check(self) -> dict[str, int] | None:
-        """On CUDA: tracked total vs the allocator's count; None where there is no such count.
+    def cross_check(self, snapshot: dict[str, int] | None = None) -> dict[str, int] | None:
+        """On CUDA: the tracker's count beside the caching allocator's; None on CPU.
 
-        `untracked` is what the device holds that the tracker never saw (tensors
-        made before `start()` and not registered, library workspaces).
+        `tracked` counts logical storage bytes; `allocated` is the allocator's (rounded to
+        its 512-byte blocks, plus tensors made before `start()` and never registered, plus
+        library workspaces), so `tracked <= allocated` holds on a correct tracker and
+        `untracked` says how much the categories do not explain. `reserved` adds what the
+        allocator caches for reuse: the number `nvidia-smi` shows.
         """
-        try:
-            from parallel_lab.runtime import device as mesh
-        except ImportError:
+        from parallel_lab.runtime import device as mesh
+
+        stats = mesh.device_memory_stats(self.device)
+        if stats is None:
             return None
-        fn = getattr(mesh, "device_memory_allocated", None)
-        dev = fn(self.device) if fn is not None else None
-        if dev is None:
-            return None
-        tracked = self.total()
-        return {"tracked": tracked, "device": int(dev), "untracked": int(dev) - tracked}
+        tracked = sum((snapshot if snapshot is not None else self.snapshot()).values())
+        return {"tracked": tracked, **stats, "untracked": stats["allocated"] - tracked}
 
 
 __all__ = ["MemoryTracker"]

@@ -143,6 +143,10 @@ class Recorder:
             return None
         snap = self.memory.snapshot()
         s = {"rank": self.rank, "t": self.now(), "label": label, "bytes": snap}
+        check = getattr(self.memory, "cross_check", None)
+        device = check(snap) if check is not None else None
+        if device is not None:  # on CUDA: the allocator's count beside the categories
+            s["device"] = device
         self.samples.append(s)
         self._emit("memory", s)
         return s

@@ -35,7 +35,7 @@ from parallel_lab.data_parallel import (
     train_step,
 )
 from parallel_lab.models import GPTConfig, build_model, make_optimizer, synthetic_batch
-from parallel_lab.runtime.from_env import run_script
+from parallel_lab.runtime.from_env import round_up, run_script, scaled_default, script_world
 from parallel_lab.runtime.overlap import LayerTimer, comm_hidden_fraction
 
 VARIANTS = ("param_server", "allreduce", "ddp", "torch_ddp")
@@ -242,12 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", default="ddp", choices=VARIANTS)
     ap.add_argument("--bucket-kb", type=float, default=64, help="BucketedDDP / torch DDP bucket size, KiB")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=16, help="global batch (divisible by the rank count)")
+    ap.add_argument(
+        "--batch", type=int, default=None, help="global batch, divisible by the ranks (default 16)"
+    )
     ap.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step")
     ap.add_argument("--comm", default="builtin", choices=("builtin", "ring"))
     ap.add_argument("--trace", default="runs/ddp.json", help="where rank 0 writes the trace")
     ap.add_argument("--nproc", type=int, default=4, help="ranks to start when run without a launcher")
     args = ap.parse_args(argv)
+    world = script_world(args.nproc)
+    args.batch = scaled_default("--batch", args.batch, world, lambda w: round_up(16, w * args.accumulation))
     cfg = replace(DDPRun(), variant=args.variant, bucket_bytes=int(args.bucket_kb * 1024), steps=args.steps,
                   batch=args.batch, accumulation_steps=args.accumulation, comm=args.comm)  # fmt: skip
     result = run_script(train_dp, cfg, nproc=args.nproc, trace_path=args.trace)

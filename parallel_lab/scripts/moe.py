@@ -31,7 +31,7 @@ from parallel_lab.moe import (
     build_moe,
     dispatch_bytes,
 )
-from parallel_lab.runtime.from_env import run_script
+from parallel_lab.runtime.from_env import round_up, run_script, scaled_default, script_world
 
 
 def run_moe(
@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="tokens per rank")
     ap.add_argument("--d-model", type=int, default=32)
-    ap.add_argument("--experts", type=int, default=8, help="total experts (divisible by the number of ranks)")
+    ap.add_argument(
+        "--experts", type=int, default=None, help="total experts, divisible by the ranks (default 8)"
+    )
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--capacity-factor", type=float, default=1.25)
     ap.add_argument("--policy", default="token_choice", choices=POLICIES)
@@ -141,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default="runs/moe.json", help="where rank 0 writes the trace")
     ap.add_argument("--nproc", type=int, default=4, help="ranks to start when run without a launcher")
     args = ap.parse_args(argv)
+    args.experts = scaled_default(
+        "--experts", args.experts, script_world(args.nproc), lambda w: round_up(8, w)
+    )
     kw = dict(steps=args.steps, tokens=args.tokens, d_model=args.d_model, d_ff=2 * args.d_model,
               num_experts=args.experts, k=args.k, capacity_factor=args.capacity_factor, policy=args.policy,
               variant=args.variant)  # fmt: skip

@@ -15,7 +15,6 @@ trace (`--trace`, default runs/pipeline.json) that `RunResult.load` reads back.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from parallel_lab.costmodel import pipeline_bubble_fraction
@@ -27,7 +26,7 @@ from parallel_lab.pipeline import (
     reference_batches,
     train_pipeline,
 )
-from parallel_lab.runtime.from_env import run_script
+from parallel_lab.runtime.from_env import round_up, run_script, scaled_default, script_world
 from parallel_lab.runtime.parallel_dims import ParallelDims
 
 
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved only)")
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=None, help="default 8, or a multiple of the stages")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
@@ -72,16 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default="runs/pipeline.json", help="where rank 0 writes the trace")
     ap.add_argument("--nproc", type=int, default=4, help="ranks to start when run without a launcher")
     args = ap.parse_args(argv)
+    world = script_world(args.nproc)
+    if args.dp < 1 or world % args.dp:
+        ap.error(f"--dp {args.dp} must divide the world size {world}")
+    per_rank = args.chunks if args.schedule == "interleaved" else 1  # model chunks per stage rank
+    args.layers = scaled_default(
+        "--layers", args.layers, world, lambda w: round_up(8, w // args.dp * per_rank)
+    )
     micro = 1 if args.schedule == "naive" else args.microbatches
     try:
-        cfg = PipelineConfig(schedule=args.schedule, microbatches=micro, chunks=args.chunks if args.schedule == "interleaved" else 1,
+        cfg = PipelineConfig(schedule=args.schedule, microbatches=micro, chunks=per_rank,
                              layers=args.layers, hidden=args.hidden, batch=args.batch, steps=args.steps,
                              compute_time=args.compute_time)  # fmt: skip
     except ValueError as e:
         ap.error(str(e))
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    if world % args.dp:
-        ap.error(f"--dp {args.dp} must divide the world size {world}")
     dims = ParallelDims(dp=args.dp, pp=world // args.dp, world_size=world)
     result = run_script(train_pipeline, cfg, dims, nproc=world, trace_path=args.trace, threads=1)
     if result is None:  # not rank 0

@@ -34,7 +34,7 @@ import torch.nn as nn
 from parallel_lab import comms
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
 from parallel_lab.quantization import METHODS, Int8Linear, plant_outliers, quantize_linears, relative_error
-from parallel_lab.runtime.from_env import run_script
+from parallel_lab.runtime.from_env import run_script, scaled_default, script_world
 from parallel_lab.runtime.memory_state import count_bytes
 
 # the notebook's tiny GPT and planted features
@@ -118,12 +118,18 @@ def report(values: list[dict]) -> tuple[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemes", nargs="+", default=list(METHODS), choices=METHODS, help="schemes to compare")
-    ap.add_argument("--batch", type=int, default=8, help="sequences in the whole batch, split over the ranks")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="sequences in the whole batch, split over the ranks (default 8)",
+    )
     ap.add_argument("--magnitude", type=float, default=40.0, help="how much larger the planted outliers are")
     ap.add_argument("--trace", default="runs/quantization.json", help="where rank 0 writes the trace")
     ap.add_argument("--nproc", type=int, default=2, help="ranks to start when run without a launcher")
     args = ap.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    world = script_world(args.nproc)
+    args.batch = scaled_default("--batch", args.batch, world, lambda w: max(8, w))
     if "RANK" not in os.environ and args.nproc < 1:
         ap.error(f"--nproc must be >= 1, got {args.nproc}")
     if args.batch < world:

@@ -21,7 +21,7 @@ import sys
 import torch
 
 from parallel_lab.models import GPTConfig, build_model, make_optimizer, synthetic_batch
-from parallel_lab.runtime.from_env import run_script
+from parallel_lab.runtime.from_env import round_up, run_script, scaled_default, script_world
 from parallel_lab.tensor_parallel import ParallelBlock, TensorParallelGPT, split, tp_comm_bytes_per_layer
 
 #: Sums over ranks run in another order than one process's matmul: fp32 rounding
@@ -179,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=None, help="tokens (default 16, or the world size if larger)")
     ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=None, help="heads (default 4, or one per rank if more)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument(
         "--sequence-parallel", action="store_true", help="LayerNorm/residual on s/tp tokens per rank"
@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    world = script_world(args.nproc)
+    args.heads = scaled_default("--heads", args.heads, world, lambda w: max(4, w))
+    args.seq = scaled_default("--seq", args.seq, world, lambda w: round_up(16, w))
     kw = dict(steps=args.steps, batch=args.batch, seq=args.seq, d_model=args.d_model, heads=args.heads,
               layers=args.layers, sequence_parallel=args.sequence_parallel, regather=args.regather,
               impl=args.impl)  # fmt: skip

@@ -59,7 +59,7 @@ def report(result, cfg: ThreeDConfig, dims: ParallelDims) -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=None, help="default: world size / (tp x pp), else 2")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-memory", action="store_true", help="skip memory tracking (faster)")
     ap.add_argument("--trace", default="runs/three_d.json", help="where rank 0 writes the trace")
     args = ap.parse_args(argv)
+    if args.dp is None:  # under a launcher the world size decides; run plainly, 2 x 2 x 2
+        launched = os.environ.get("WORLD_SIZE")
+        args.dp = int(launched) // (args.tp * args.pp) if launched else 2
+        if args.dp != 2 and os.environ.get("RANK", "0") == "0":
+            print(f"--dp {args.dp}: the default scaled to {launched} ranks", flush=True)
     world = int(os.environ.get("WORLD_SIZE", args.dp * args.tp * args.pp))
     try:
         dims = ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, world_size=world)

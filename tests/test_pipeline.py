@@ -38,6 +38,37 @@ from parallel_lab.pipeline.viz import (
     torch_orders,
 )
 from parallel_lab.runtime.parallel_dims import ParallelDims
+from parallel_lab.runtime.trace import chrome_trace
+
+
+def assert_tracks_nest(trace: dict) -> None:
+    """On every (process, thread) track, any two events are disjoint or nested."""
+    tracks: dict = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    for key, evs in tracks.items():
+        evs.sort(key=lambda x: (x[0], -x[1]))
+        open_ends: list = []
+        for start, end, name in evs:
+            while open_ends and open_ends[-1] <= start:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1], f"{name} overlaps without nesting on {key}"
+            open_ends.append(end)
+
+
+def test_chrome_trace_gives_overlapping_comm_its_own_track():
+    ev = lambda name, kind, a, b: {"rank": 0, "name": name, "kind": kind, "start": a, "end": b, "args": {}}  # noqa: E731
+    timeline = [ev("F", "compute", 0, 4), ev("inner", "compute", 1, 2), ev("isend", "comm", 0, 2),
+                ev("irecv", "comm", 1, 3), ev("isend", "comm", 2.5, 4)]  # fmt: skip
+    trace = chrome_trace(timeline, [])
+    assert_tracks_nest(trace)
+    tid = {(e["name"], e["ts"]): e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert tid["F", 0] == tid["inner", 1e6] == 1  # nested compute shares the compute track
+    assert tid["isend", 0] == 2 and tid["irecv", 1e6] == 4  # the overlapping receive moves over
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {"compute", "comm", "comm 2"}
+
 
 # Forked ranks compute with one thread: the parent has used its OpenMP pool already, and
 # libgomp is not fork-safe (a forked rank with more threads can hang).
@@ -285,6 +316,7 @@ def test_pipeline_parity_with_single_process(schedule, m, v, world, opt):
                          optimizer=opt, lr=0.05 if opt == "sgd" else 0.01)  # fmt: skip
     result = pl.launch(train_pipeline, world, cfg, **LAUNCH)
     _check_parity(result, cfg, exact=schedule == "naive")  # one micro-batch = the same ops, bit for bit
+    assert_tracks_nest(chrome_trace(result.timeline, result.memory))  # Perfetto draws it right
     # bytes: every activation and every gradient crossing a link is (b, hidden) fp32
     b = cfg.batch // m
     sched = make_schedule(schedule, world, m, v)

@@ -36,6 +36,30 @@ CATEGORY_COLORS: dict[str, str] = {
     "comm": "#DD8452",
     "other": "#8C8C8C",
 }
+# Forward and backward keep their colours in every lesson (DP, ZeRO, pipeline, 3D, recompute),
+# as shades of the compute blue, so "compute" still reads as one family next to comm's orange.
+# Interleaved pipelines draw chunk c in the c-th shade.
+PHASE_COLORS: dict[str, tuple[str, ...]] = {
+    "forward": ("#4C72B0", "#86A3D6", "#B9CBEA", "#2E4A7D"),
+    "backward": ("#2A7F7F", "#5FB3B3", "#9ED3D3", "#174D4D"),
+    "recompute": ("#8172B3", "#A99DD1", "#CFC8E8", "#54478A"),
+}
+_PHASE_NAMES = {"f": "forward", "fwd": "forward", "forward": "forward", "b": "backward",
+                "bwd": "backward", "backward": "backward", "recompute": "recompute"}  # fmt: skip
+
+
+def phase_color(name: str) -> str | None:
+    """The palette colour of a span named for a training phase ("F", "B.c1", "forward",
+    "backward", "recompute block 3", "F mb2"), or None for any other name."""
+    head = re.split(r"[ ._:]", name.strip(), maxsplit=1)[0].lower()
+    phase = _PHASE_NAMES.get(head)
+    if phase is None:
+        return None
+    chunk = re.search(r"\.c(\d+)", name)
+    shades = PHASE_COLORS[phase]
+    return shades[int(chunk.group(1)) % len(shades)] if chunk else shades[0]
+
+
 UNITS = {
     "B": 1,
     "KiB": 2**10,

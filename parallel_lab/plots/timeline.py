@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from parallel_lab.plots.base import KIND_COLORS, new_axes, time_window, timeline_of
+from parallel_lab.plots.base import KIND_COLORS, new_axes, phase_color, time_window, timeline_of
 from parallel_lab.runtime.trace import KINDS
 
 _HATCHED = {"bubble": "//", "idle": ".."}  # waiting must be visible, not just a pale bar
@@ -162,6 +162,8 @@ def _name_colors(events: list[dict], limit: int = 12) -> dict[str, str]:
     palette = [plt.get_cmap("tab10")(i) for i in (0, 1, 2, 3, 4, 6, 8, 9)]
     palette += [plt.get_cmap("tab20")(2 * i + 1) for i in (0, 1, 2, 3, 4, 6, 8, 9)]
     names = sorted(total, key=lambda n: -total[n])[:limit]
-    out = {n: palette[i % len(palette)] for i, n in enumerate(names)}
+    out = {n: phase_color(n) for n in names if phase_color(n) is not None}  # fixed across lessons
+    rest = [n for n in names if n not in out]
+    out.update({n: palette[i % len(palette)] for i, n in enumerate(rest)})
     out["other"] = KIND_COLORS["other"]
     return out

@@ -157,24 +157,33 @@ class Recorder:
 
 
 def chrome_trace(timeline: list[dict], memory: list[dict], meta: dict | None = None) -> dict:
-    """Build a Chrome/Perfetto trace: one process per rank, a compute and a comm lane,
+    """Build a Chrome/Perfetto trace: one process per rank, a compute and a comm track,
     memory as counter tracks. Our own data rides along under "parallel_lab" so
-    `RunResult.load` can read the file back losslessly."""
-    lane = {"comm": 2, "memcpy": 2}
+    `RunResult.load` can read the file back losslessly.
+
+    Invariant: on any one track, two events are disjoint or one nests inside the other
+    (Perfetto draws nothing else right). Communication that overlaps itself without
+    nesting (a send in flight while a receive starts, as on separate CUDA streams) goes
+    on extra tracks "comm 2", "comm 3", ...; the same for compute.
+    """
     ev: list[dict] = []
+    tids = _tracks(timeline)
     ranks = sorted({e["rank"] for e in timeline} | {s["rank"] for s in memory})
     for r in ranks:
         ev.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
-        ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 1, "args": {"name": "compute"}})
-        ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 2, "args": {"name": "comm"}})
-    for e in timeline:
+        used = {t for (rank, t) in tids.values() if rank == r} | {1, 2}
+        for t in sorted(used):
+            name = ("compute", "comm")[(t - 1) % _LANES] + (f" {(t - 1) // _LANES + 1}" if t > _LANES else "")
+            ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": t, "args": {"name": name}})
+            ev.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": t, "args": {"sort_index": t}})
+    for i, e in enumerate(timeline):
         ev.append(
             {
                 "ph": "X",
                 "name": e["name"],
                 "cat": e["kind"],
                 "pid": e["rank"],
-                "tid": lane.get(e["kind"], 1),
+                "tid": tids[i][1],
                 "ts": e["start"] * 1e6,
                 "dur": max(0.0, e["end"] - e["start"]) * 1e6,
                 "args": _jsonable(e.get("args", {})),
@@ -191,6 +200,31 @@ def chrome_trace(timeline: list[dict], memory: list[dict], meta: dict | None = N
             }
         )
     return {"traceEvents": ev, "displayTimeUnit": "ms", "parallel_lab": meta or {}}
+
+
+_LANES = 2  # tid 1 compute, 2 comm; overflow track k of a lane is tid lane + 2k
+
+
+def _tracks(timeline: list[dict]) -> dict[int, tuple[int, int]]:
+    """event index -> (rank, tid): each event on the first track of its lane where it
+    starts after everything open has ended, or nests inside the innermost open event."""
+    out: dict[int, tuple[int, int]] = {}
+    stacks: dict[tuple[int, int], list[list[float]]] = {}  # (rank, lane) -> per track, open ends
+    order = sorted(range(len(timeline)), key=lambda i: (timeline[i]["start"], -timeline[i]["end"]))
+    for i in order:
+        e = timeline[i]
+        lane = 2 if e["kind"] in ("comm", "memcpy") else 1
+        tracks = stacks.setdefault((e["rank"], lane), [])
+        for k, open_ends in enumerate(tracks + [[]]):
+            while open_ends and open_ends[-1] <= e["start"]:
+                open_ends.pop()
+            if not open_ends or e["end"] <= open_ends[-1]:
+                if k == len(tracks):
+                    tracks.append(open_ends)
+                open_ends.append(e["end"])
+                out[i] = (e["rank"], lane + _LANES * k)
+                break
+    return out
 
 
 def _jsonable(d: dict) -> dict:

@@ -85,3 +85,66 @@ def test_live_view_draws_inside_a_widget_output():
 def test_live_must_be_a_bool_or_an_output():
     with pytest.raises(TypeError, match="live must be True, False or an ipywidgets Output"):
         pl.launch(_steps, 2, live="yes")
+
+
+class _Handle:
+    def __init__(self, bundle):
+        self.frames = [bundle]
+
+    def update(self, bundle, raw=True):
+        self.frames.append(bundle)
+
+
+def _slow_rank(ctx, seconds):
+    import time
+
+    with ctx.span("work", "compute"):
+        time.sleep(seconds)
+    return ctx.rank
+
+
+def test_a_launch_in_a_notebook_shows_one_progress_line_then_clears_it(monkeypatch):
+    import importlib
+
+    import parallel_lab as pl
+    from parallel_lab.plots import live
+
+    importlib.import_module("ipykernel")  # what launch looks for to know it runs in a notebook
+    handles: list[_Handle] = []
+    monkeypatch.setattr(live, "in_kernel", lambda: True)
+    monkeypatch.setattr(live, "_display", lambda b: handles.append(_Handle(b)) or handles[-1])
+    res = pl.launch(_slow_rank, 2, 1.5)
+    assert res.values == [0, 1]
+    assert len(handles) == 1, "one status line per launch"
+    lines = [f.get("text/plain", "") for f in handles[0].frames]
+    assert lines[0].startswith("running _slow_rank on 2 ranks: ")
+    assert len(lines) >= 3, lines  # refreshed while the ranks sleep
+    assert lines[-1] == "", "the line goes away when the run ends"
+
+    with live.widget_run():  # an interactive widget shows its own status: no second line
+        pl.launch(_slow_rank, 2, 0.0)
+    assert len(handles) == 1
+
+
+def test_progress_and_run_command_show_a_line_and_clear_it(monkeypatch):
+    import sys
+    import time
+
+    from parallel_lab.plots import live
+
+    handles: list[_Handle] = []
+    monkeypatch.setattr(live, "in_kernel", lambda: True)
+    monkeypatch.setattr(live, "_display", lambda b: handles.append(_Handle(b)) or handles[-1])
+    got = []
+    for i in live.progress(range(3), "three things"):
+        got.append(i)
+        time.sleep(0.3)
+    assert got == [0, 1, 2]
+    lines = [f.get("text/plain", "") for f in handles[0].frames]
+    assert lines[0] == "three things: 0 of 3 done, 0.0 s" and lines[-1] == ""
+    assert any(line.startswith("three things: 2 of 3 done") for line in lines), lines
+
+    done = live.run_command([sys.executable, "-c", "import time; time.sleep(1); print('hi')"], what="a sleeper")
+    assert done.returncode == 0 and done.stdout == "hi\n"
+    lines = [f.get("text/plain", "") for f in handles[1].frames]
+    assert lines[0].startswith("running a sleeper: ") and lines[-1] == "", lines

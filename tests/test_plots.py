@@ -105,7 +105,8 @@ def test_timeline_lanes_ticks_title_and_legend():
         "rank 1 compute",
         "rank 1 comm",
     ]
-    assert legend_labels(ax) == ["compute", "comm", "bubble"]
+    assert legend_labels(ax) == ["compute", "all_reduce", "bubble"]  # comm spans by collective
+
     # One collection per (rank, lane, kind): r0 compute, r0 comm, r1 compute, r1 bubble, r1 comm.
     assert len(ax.collections) == 5
     hatched = [c for c in ax.collections if c.get_hatch()]
@@ -118,6 +119,22 @@ def test_timeline_lanes_ticks_title_and_legend():
     # Comm spans go to the lower lane.
     comm = [c for c in ax.collections if c.get_paths()[0].vertices[:, 1].min() % 1 >= 0.5]
     assert len(comm) == 2 and all(c.get_paths()[0].vertices[:, 0].min() == pytest.approx(4.0) for c in comm)
+
+
+def test_each_collective_keeps_its_colour_across_figures():
+    """All-gather and reduce-scatter never share a colour; a name that says no collective is "comm"."""
+    from parallel_lab.plots import COMM_OP_COLORS
+
+    events = [ev(0, "all_gather", "comm", 0, 0.001), ev(0, "reduce_scatter", "comm", 0.001, 0.002),
+              ev(0, "barrier", "comm", 0.002, 0.003), ev(0, "isend", "comm", 0.003, 0.004)]  # fmt: skip
+    ax = plot_timeline(events).axes[0]
+    assert legend_labels(ax) == ["comm", "all_gather", "reduce_scatter", "send/recv"]
+    faces = {
+        t.get_text(): h.get_facecolor()
+        for t, h in zip(ax.get_legend().get_texts(), ax.get_legend().legend_handles)
+    }
+    assert len({faces[k] for k in faces}) == 4
+    assert faces["all_gather"] == matplotlib.colors.to_rgba(COMM_OP_COLORS["all_gather"])
 
 
 def test_timeline_takes_a_run_result_and_its_world_size():

@@ -26,13 +26,32 @@ This `__init__` is the public door.
 """
 
 from parallel_lab.plots.bars import plot_comm_bytes, plot_predicted_vs_measured
-from parallel_lab.plots.base import CATEGORY_COLORS, KIND_COLORS, byte_unit, chrome_events, memory_of
+from parallel_lab.plots.base import (
+    CATEGORY_COLORS,
+    COMM_OP_COLORS,
+    KIND_COLORS,
+    PHASE_COLORS,
+    byte_unit,
+    chrome_events,
+    comm_op,
+    memory_of,
+    phase_color,
+)
 from parallel_lab.plots.interactive import MAX_WIDTH_PX, FigureOutput, Interactive, figure_png, interactive
-from parallel_lab.plots.live import LiveRunView
+from parallel_lab.plots.live import LiveRunView, RunProgress, StatusLine, progress, run_command, widget_run
 from parallel_lab.plots.memory import draw_memory, plot_memory
 from parallel_lab.plots.timeline import plot_timeline
 
 __all__ = [
+    "COMM_OP_COLORS",
+    "comm_op",
+    "PHASE_COLORS",
+    "RunProgress",
+    "StatusLine",
+    "progress",
+    "run_command",
+    "phase_color",
+    "widget_run",
     "MAX_WIDTH_PX",
     "FigureOutput",
     "Interactive",

@@ -36,6 +36,32 @@ CATEGORY_COLORS: dict[str, str] = {
     "comm": "#DD8452",
     "other": "#8C8C8C",
 }
+# Communication split by collective, warm colours so "comm" still reads as one family.
+COMM_OP_COLORS: dict[str, str] = {
+    "all_reduce": "#DD8452",
+    "all_gather": "#EDB93B",
+    "reduce_scatter": "#A9441F",
+    "all_to_all": "#D65F9E",
+    "send/recv": "#B07AA1",
+    "broadcast": "#8C6D31",
+    "gather": "#F3D37E",
+    "scatter": "#E3A587",
+    "reduce": "#F1A66A",
+}
+_OP_WORDS = [("reduce_scatter", "reduce_scatter"), ("reducescatter", "reduce_scatter"), ("all_gather", "all_gather"),
+             ("allgather", "all_gather"), ("all_to_all", "all_to_all"), ("alltoall", "all_to_all"),
+             ("all_reduce", "all_reduce"), ("allreduce", "all_reduce"), ("bucket", "all_reduce"),
+             ("broadcast", "broadcast"), ("send", "send/recv"), ("recv", "send/recv"), ("p2p", "send/recv"),
+             ("gather", "gather"), ("scatter", "scatter"), ("reduce", "reduce")]  # fmt: skip
+
+
+def comm_op(name: str) -> str | None:
+    """The collective a comm span's name stands for ("ring_all_reduce", "torch bucket 3" ->
+    "all_reduce"; "isend" -> "send/recv"), or None when the name says none."""
+    low = name.lower().replace("-", "_")
+    return next((op for word, op in _OP_WORDS if word in low), None)
+
+
 # Forward and backward keep their colours in every lesson (DP, ZeRO, pipeline, 3D, recompute),
 # as shades of the compute blue, so "compute" still reads as one family next to comm's orange.
 # Interleaved pipelines draw chunk c in the c-th shade.

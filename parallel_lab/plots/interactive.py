@@ -28,6 +28,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from parallel_lab.plots.live import widget_run
+
 #: Widest image a lesson stores or shows, in pixels (JupyterLab's column at 100%).
 MAX_WIDTH_PX = 960
 
@@ -135,7 +137,8 @@ class Interactive:
         self.status.value = f"running: {_html(what)}"
         start = time.perf_counter()
         try:
-            fig = self.run_fn(**values, **({"figure": self.figure} if self._pass_figure else {}))
+            with widget_run():  # launches inside show no progress line of their own
+                fig = self.run_fn(**values, **({"figure": self.figure} if self._pass_figure else {}))
             fig, note = fig if isinstance(fig, tuple) else (fig, "")
             if isinstance(fig, str):
                 self.figure.show_text(f"[{what}]\n{fig}")

@@ -28,6 +28,9 @@ call is a cheap no-op, nothing is drawn or printed.
 from __future__ import annotations
 
 import base64
+import contextlib
+import contextvars
+import html
 import io
 import math
 import time
@@ -181,6 +184,111 @@ class LiveRunView:
                 )
                 if xlim is not None:  # one time window for both panels (memory axes share x)
                     axes[0].set_xlim(*xlim)
+
+
+# Set while an interactive widget runs its callback: the widget has its own status line and
+# progress bar, and its output area must hold exactly one figure.
+_WIDGET_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("widget_running", default=False)
+
+
+@contextlib.contextmanager
+def widget_run() -> Any:
+    """Inside: launches show no progress line of their own (the widget shows its own)."""
+    token = _WIDGET_RUNNING.set(True)
+    try:
+        yield
+    finally:
+        _WIDGET_RUNNING.reset(token)
+
+
+class StatusLine:
+    """One line of text under a cell, refreshed in place at most every `min_interval` seconds
+    and replaced by nothing at `finish()`, so a stored notebook keeps only the cell's own output.
+    Inactive outside a kernel and inside an interactive widget's run (see `widget_run`)."""
+
+    def __init__(self, min_interval: float = 0.5) -> None:
+        self.min_interval = min_interval
+        self.start = time.perf_counter()
+        self._last = -math.inf
+        self.handle = None
+        self.active = in_kernel() and not _WIDGET_RUNNING.get()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def show(self, line: str, force: bool = False) -> None:
+        if not self.active:
+            return
+        now = time.perf_counter()
+        if self.handle is not None and not force and now - self._last < self.min_interval:
+            return
+        self._last = now
+        bundle = {
+            "text/plain": line,
+            "text/html": f"<div class='pl-progress'><tt>{html.escape(line)}</tt></div>",
+        }
+        if self.handle is None:
+            self.handle = _display(bundle)
+        else:
+            self.handle.update(bundle, raw=True)
+
+    def finish(self) -> None:
+        if self.handle is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
+            self.handle = None
+        self.active = False
+
+
+class RunProgress(StatusLine):
+    """The status line of a launch: "running train_dp on 4 ranks: 3.2 s, 2 of 4 done, 148 spans"."""
+
+    def __init__(self, what: str, world_size: int, min_interval: float = 0.5) -> None:
+        super().__init__(min_interval)
+        self.what, self.world_size = what, world_size
+        self.update(0, 0, force=True)
+
+    def update(self, done: int, spans: int, force: bool = False) -> None:
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        line = f"running {self.what} on {ranks}: {self.elapsed():.1f} s, {done} of {self.world_size} done, {spans} spans"
+        self.show(line, force)
+
+
+def progress(items: Any, what: str, total: int | None = None) -> Any:
+    """Iterate `items` with a status line under the cell: "what: 3 of 24, 2.1 s"."""
+    n = total if total is not None else (len(items) if hasattr(items, "__len__") else None)
+    line = StatusLine()
+    try:
+        for i, item in enumerate(items):
+            line.show(
+                f"{what}: {i} of {n if n is not None else '?'} done, {line.elapsed():.1f} s", force=i == 0
+            )
+            yield item
+    finally:
+        line.finish()
+
+
+def run_command(cmd: list[str], what: str | None = None, **kwargs: Any) -> Any:
+    """`subprocess.run(cmd, capture_output=True, text=True, **kwargs)`, with a status line while it
+    runs ("running torchrun ... : 4.5 s"). Returns the CompletedProcess."""
+    import os
+    import subprocess
+
+    what = what or " ".join(os.path.basename(c) if i == 0 else c for i, c in enumerate(cmd[:6]))
+    line = StatusLine()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    try:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                line.show(f"running {what}: {line.elapsed():.1f} s", force=line.handle is None)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        line.finish()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 class _TargetHandle:

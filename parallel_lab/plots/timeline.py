@@ -17,7 +17,15 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from parallel_lab.plots.base import KIND_COLORS, new_axes, phase_color, time_window, timeline_of
+from parallel_lab.plots.base import (
+    COMM_OP_COLORS,
+    KIND_COLORS,
+    comm_op,
+    new_axes,
+    phase_color,
+    time_window,
+    timeline_of,
+)
 from parallel_lab.runtime.trace import KINDS
 
 _HATCHED = {"bubble": "//", "idle": ".."}  # waiting must be visible, not just a pale bar
@@ -78,10 +86,14 @@ def draw_timeline(
     def key_of(e: dict) -> str:
         if e["kind"] in _HATCHED:  # waiting keeps its kind's look whatever the colouring
             return e["kind"]
+        if color_by == "kind" and e["kind"] == "comm":  # each collective its own colour
+            return comm_op(e["name"]) or "comm"
         k = e["kind"] if color_by == "kind" else e["name"]
         return k if k in colors else "other"
 
     def color_of(key: str) -> Any:
+        if key in COMM_OP_COLORS and color_by == "kind":
+            return COMM_OP_COLORS[key]
         return KIND_COLORS[key] if key in _HATCHED else colors[key]
 
     # One broken_barh per (rank, lane, colour key): a handful of artists for any number of spans.
@@ -136,9 +148,9 @@ def draw_timeline(
         ax.set_title(title)
     if show_legend and events:
         used = {k for (_, _, k) in groups}
-        order = dict.fromkeys(
-            [k for k in colors if k != "other"] + [k for k in KINDS if k in _HATCHED] + ["other"]
-        )
+        ops = list(COMM_OP_COLORS) if color_by == "kind" else []
+        named = [x for k in colors if k != "other" for x in ([k, *ops] if k == "comm" else [k])]
+        order = dict.fromkeys(named + [k for k in KINDS if k in _HATCHED] + ["other"])
         handles = [
             Patch(
                 facecolor=color_of(k),

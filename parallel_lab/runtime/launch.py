@@ -255,13 +255,17 @@ def launch(
         )
         for r in range(world_size)
     ]
-    view = None
+    view = progress = None
     if live is not False and live is not None:
         from parallel_lab.plots import LiveRunView
 
         # live=True: under the cell; live=<ipywidgets Output>: inside that widget (interactive cells)
         target = None if live is True else live
         view = LiveRunView(world_size, timeline=True, memory=track_memory, target=target)
+    elif "ipykernel" in sys.modules:  # a notebook: one status line while the ranks run
+        from parallel_lab.plots import RunProgress
+
+        progress = RunProgress(getattr(fn, "__name__", "fn"), world_size)
     timeline: list[dict] = []
     memory: list[dict] = []
     values: dict[int, Any] = {}
@@ -307,10 +311,14 @@ def launch(
                 raise LaunchTimeout(timeout, stuck, starting=set(stuck) - ready)
             if view is not None:
                 view.update(timeline, memory)  # rate-limited inside: cheap when it does not draw
+            if progress is not None:
+                progress.update(len(values), len(timeline))
     finally:
         _reap(procs, graceful=len(values) == world_size)
         if view is not None:
             view.finish(timeline, memory)
+        if progress is not None:
+            progress.finish()
         q.close()
         q.cancel_join_thread()
         shutil.rmtree(tmpdir, ignore_errors=True)

@@ -156,14 +156,6 @@ def timed(result: Any) -> Any:
                      memory=[s for s in result.memory if s["t"] >= t0[s["rank"]]])  # fmt: skip
 
 
-_COLORS = {
-    "forward": "#A9C1E6",
-    "optimizer": "#55A868",
-    "bwd": ("#4C72B0", "#7895C8"),
-    "comm": ("#DD8452", "#EDB48C"),
-}
-
-
 def plot_step(
     result: Any, step: int = 0, ranks: list[int] | None = None, ax: Any = None, title: str | None = None
 ):
@@ -171,6 +163,16 @@ def plot_step(
     optimizer on the compute lane; every all-reduce (issue -> completion) on the comm lane. Times from the
     step's start, in ms. Returns the figure."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from parallel_lab.plots import KIND_COLORS, PHASE_COLORS
+
+    colors = {  # the lab's palette (plots.base); neighbours alternate two shades so their edges show
+        "forward": PHASE_COLORS["forward"][0],
+        "optimizer": KIND_COLORS["optimizer"],
+        "bwd": PHASE_COLORS["backward"][:2],
+        "comm": (KIND_COLORS["comm"], "#EDB48C"),
+    }
 
     ranks = list(range(result.world_size)) if ranks is None else ranks
     if ax is None:
@@ -187,11 +189,11 @@ def plot_step(
             a, w = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
             lower = e["kind"] == "comm"
             y = row + (0.52 if lower else 0.08)
-            label, hatch, color = "", None, _COLORS.get(e["name"], "#BBBBBB")
+            label, hatch, color = "", None, colors.get(e["name"], "#BBBBBB")
             if e["name"].startswith("bwd "):
-                color, label, n_bwd = _COLORS["bwd"][n_bwd % 2], e["name"][4:], n_bwd + 1
+                color, label, n_bwd = colors["bwd"][n_bwd % 2], e["name"][4:], n_bwd + 1
             elif lower:
-                color, n_comm = _COLORS["comm"][n_comm % 2], n_comm + 1
+                color, n_comm = colors["comm"][n_comm % 2], n_comm + 1
                 label = e["name"].replace("torch bucket ", "b").replace("bucket ", "b")
             elif e["kind"] == "idle":
                 color, hatch, label = "#E8E8E8", "..", "wait"
@@ -208,6 +210,16 @@ def plot_step(
     ax.set_xlabel("time since the step began (ms)")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or f"{result.values[0]['variant']}: step {step}")
+    seen = {e["kind"] for _, evs in rows for e in evs} | {e["name"] for _, evs in rows for e in evs}
+    legend = [("forward", colors["forward"], None), ("backward, one layer per bar", colors["bwd"][0], None),
+              ("communication, issue to completion (shades alternate per op)", colors["comm"][0], None),
+              ("optimizer", colors["optimizer"], None), ("waiting", "#E8E8E8", "..")]  # fmt: skip
+    keep = [seen & {"forward"}, {n for n in seen if str(n).startswith("bwd ")}, seen & {"comm"},
+            seen & {"optimizer"}, seen & {"idle"}]  # fmt: skip
+    handles = [Patch(facecolor=c, hatch=h, edgecolor="#888888" if h else "none", label=lab)
+               for (lab, c, h), k in zip(legend, keep) if k]  # fmt: skip
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16 - 0.1 / len(ranks)),
+              ncol=min(3, len(handles)), fontsize=7.5, frameon=False)  # fmt: skip
     return ax.figure
 
 

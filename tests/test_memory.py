@@ -380,3 +380,25 @@ def test_cuda_samples_carry_the_allocator_count(monkeypatch):
         rec = Recorder(rank=0)
         s = mem.sample(rec, "after x")
     assert s["device"] == {**stats, "tracked": x.numel() * 4, "untracked": 10_000 - 1024}
+
+
+def test_a_sample_carries_the_high_water_since_the_sample_before():
+    """A temporary that lives and dies between two samples is not in either snapshot, but the
+    second sample's high water holds it, and the memory plot's peak is that high water."""
+    from parallel_lab.plots import plot_memory
+    from parallel_lab.runtime.trace import Recorder
+
+    rec = Recorder(rank=0)
+    with MemoryTracker("cpu") as mem:
+        keep = torch.ones(256)  # 1 KiB, lives on
+        first = mem.sample(rec, "a")
+        tmp = torch.ones(1024)  # 4 KiB, freed before the next sample
+        del tmp
+        second = mem.sample(rec, "b")
+        third = mem.sample(rec, "c")
+    assert sum(second["bytes"].values()) == keep.numel() * 4
+    assert second["high_water"] == (256 + 1024) * 4
+    assert third["high_water"] == 256 * 4  # a new window starts at every sample
+    assert first["high_water"] >= 1024
+    fig = plot_memory([first, second, third], unit="B")
+    assert fig.axes[0].get_title() == "rank 0: peak 5.12e+03 B"

@@ -4,7 +4,8 @@ A timeline comes from a `RunResult`, a list of event dicts, or a Chrome trace
 (our own `save_chrome_trace` files, or `torch.profiler`'s `export_chrome_trace`).
 Invariant: whatever the source, the plots get events `{"rank", "name", "kind",
 "start", "end", "args"}` in seconds with `kind` in `trace.KINDS`, and samples
-`{"rank", "t", "label", "bytes": {category: int}}`.
+`{"rank", "t", "label", "bytes": {category: int}}` (plus "high_water", the highest total
+since the sample before, when the tracker gave one).
 """
 
 from __future__ import annotations
@@ -257,12 +258,15 @@ def _sample(s: Any) -> dict:
         raise TypeError(
             f"a memory sample must be a dict with 't' and 'bytes' {{category: int}}, got {s!r:.80}"
         )
-    return {
+    out = {
         "rank": int(s.get("rank", 0)),
         "t": float(s["t"]),
         "label": s.get("label", ""),
         "bytes": {str(k): int(v) for k, v in s["bytes"].items()},
     }
+    if s.get("high_water") is not None:  # the highest total since the sample before
+        out["high_water"] = int(s["high_water"])
+    return out
 
 
 def bytes_value(v: Any, what: str) -> float:

@@ -71,7 +71,7 @@ def plot_memory(
         fig = axes[0].figure
     draw_memory(
         fig, axes[:n], samples, ranks, predicted=predicted, unit=unit, title=title, legend_outside=ax is None,
-        predicted_label=predicted_label,
+        predicted_label=predicted_label, title_on="figure" if ax is None else "axes",
     )  # fmt: skip
     return fig
 
@@ -86,15 +86,21 @@ def draw_memory(
     title: str | None = None,
     legend_outside: bool = True,
     predicted_label: str = "predicted peak",
+    title_on: str = "figure",
 ) -> None:
-    """Draw normalised samples, one Axes per rank in `ranks` (used by the live view too)."""
+    """Draw normalised samples, one Axes per rank in `ranks` (used by the live view too).
+
+    `title_on`: "figure" (a suptitle over all panels) or "axes" (each panel's own title, for
+    panels the caller placed in its own figure)."""
     pred = _predicted_per_rank(predicted, ranks)
     by_rank: dict[int, list[dict]] = defaultdict(list)
     for s in samples:
         by_rank[s["rank"]].append(s)
     seen = {c for s in samples for c, v in s["bytes"].items() if v}
     cats = [c for c in CATEGORIES if c in seen] + sorted(seen - set(CATEGORIES))
-    totals = {r: max((sum(s["bytes"].values()) for s in by_rank[r]), default=0) for r in ranks}
+    # a sample's "high_water" is the highest total since the sample before: peaks between samples
+    totals = {r: max((max(sum(s["bytes"].values()), s.get("high_water") or 0) for s in by_rank[r]), default=0)
+              for r in ranks}  # fmt: skip
     scale, uname = byte_unit(max([*totals.values(), *pred.values(), 0]), unit)
     top = max([*totals.values(), *pred.values(), 0]) / scale
     t_first = min((s["t"] for s in samples), default=0.0) * 1e3
@@ -121,6 +127,13 @@ def draw_memory(
                 linewidth=0,
             )
             handles.update(zip(cats, polys))
+            if any(s.get("high_water") is not None for s in rs):
+                hw = [max(s.get("high_water") or 0, sum(s["bytes"].values())) / scale for s in rs]
+                # the high water of a sample covers the interval that ends at it
+                (hl,) = a.step(
+                    t[:-1], hw, where="pre", color="#333333", lw=0.7, label="highest between samples"
+                )
+                handles["highest between samples"] = hl
         else:
             a.text(
                 0.5, 0.5, "no memory samples", transform=a.transAxes, ha="center", va="center", color="gray"
@@ -137,7 +150,8 @@ def draw_memory(
                 gid="predicted",
             )
             handles[predicted_label] = line
-        a.set_title(f"rank {r}: peak {totals[r] / scale:.3g} {uname}" if rs else f"rank {r}", fontsize=10)
+        head = f"{title}, rank {r}" if (title and title_on == "axes") else f"rank {r}"
+        a.set_title(f"{head}: peak {totals[r] / scale:.3g} {uname}" if rs else head, fontsize=10)
         spec = a.get_subplotspec()
         ncols = spec.get_gridspec().ncols if spec is not None else 1
         if i + ncols >= len(ranks):  # nothing drawn below: this one carries the x labels
@@ -161,7 +175,7 @@ def draw_memory(
             fig.legend(*hl, loc="outside right upper", fontsize=8, frameon=False)
         else:
             axes[-1].legend(*hl, loc="upper right", fontsize=7)
-    if title:
+    if title and title_on == "figure":
         fig.suptitle(title)
 
 

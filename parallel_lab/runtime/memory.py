@@ -60,6 +60,7 @@ class MemoryTracker:
         self._total = 0
         self._peak_total = 0
         self._peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self._high_water = 0  # highest total since the last `take_high_water()`
         self._local = (
             threading.local()
         )  # category() labels are per thread: a comm thread must not relabel compute
@@ -160,6 +161,8 @@ class MemoryTracker:
             self._live[key] = [nbytes, cat, ref]
             self._by_cat[cat] += nbytes
             self._total += nbytes
+            if self._total > self._high_water:
+                self._high_water = self._total
             if self._total > self._peak_total:
                 self._peak_total = self._total
                 self._peak = dict(self._by_cat)
@@ -177,6 +180,8 @@ class MemoryTracker:
                 entry[0] += grow
                 self._by_cat[entry[1]] += grow
                 self._total += grow
+                if self._total > self._high_water:
+                    self._high_water = self._total
                 if self._total > self._peak_total:
                     self._peak_total = self._total
                     self._peak = dict(self._by_cat)
@@ -304,6 +309,14 @@ class MemoryTracker:
         snap = self.snapshot()
         with self._lock:
             self._peak, self._peak_total = snap, sum(snap.values())
+
+    def take_high_water(self) -> int:
+        """The highest total since the previous call (or start), then start a new window from
+        now: what a sample taken now cannot see, the temporaries that came and went since."""
+        with self._lock:
+            self._drain()
+            hw, self._high_water = max(self._high_water, self._total), self._total
+            return hw
 
     def largest(self, n: int = 10) -> list[tuple[str, int]]:
         """The `n` largest live storages as (category, bytes): where a peak comes from."""

@@ -143,6 +143,9 @@ class Recorder:
             return None
         snap = self.memory.snapshot()
         s = {"rank": self.rank, "t": self.now(), "label": label, "bytes": snap}
+        take = getattr(self.memory, "take_high_water", None)
+        if take is not None:  # the highest total since the previous sample (temporaries included)
+            s["high_water"] = take()
         check = getattr(self.memory, "cross_check", None)
         device = check(snap) if check is not None else None
         if device is not None:  # on CUDA: the allocator's count beside the categories

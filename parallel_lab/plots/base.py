@@ -51,7 +51,8 @@ COMM_OP_COLORS: dict[str, str] = {
 }
 _OP_WORDS = [("reduce_scatter", "reduce_scatter"), ("reducescatter", "reduce_scatter"), ("all_gather", "all_gather"),
              ("allgather", "all_gather"), ("all_to_all", "all_to_all"), ("alltoall", "all_to_all"),
-             ("all_reduce", "all_reduce"), ("allreduce", "all_reduce"), ("bucket", "all_reduce"),
+             ("dispatch", "all_to_all"), ("combine", "all_to_all"), ("all_reduce", "all_reduce"),
+             ("allreduce", "all_reduce"), ("bucket", "all_reduce"),
              ("broadcast", "broadcast"), ("send", "send/recv"), ("recv", "send/recv"), ("p2p", "send/recv"),
              ("gather", "gather"), ("scatter", "scatter"), ("reduce", "reduce")]  # fmt: skip
 

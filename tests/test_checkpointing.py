@@ -19,8 +19,8 @@ from parallel_lab.checkpointing import (
     checkpoint_sequential,
     gpt_forward,
     gpt_saved_bytes,
+    linear_stack,
     predict_saved,
-    seed_stack,
     segment_sizes,
 )
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
@@ -55,7 +55,7 @@ def _np(x):
 
 # ----------------------------------------------------------------------------- seed 000's count
 def test_seed_120_saved_activations_become_24():
-    model = seed_stack(layers=24, linears=5, hidden=16)
+    model = linear_stack(layers=24, linears=5, hidden=16)
     x = torch.randn(4, 16, requires_grad=True)
     with SavedTensorCounter(model.parameters()) as plain:
         y = model(x)
@@ -72,7 +72,7 @@ def test_saved_counts_and_bytes_match_prediction_for_every_spacing():
     """Count (SavedTensorCounter) and bytes (MemoryTracker, live after forward) for 1..24 segments,
     torch's convention (last segment not checkpointed) and the seed's (all checkpointed)."""
     B, H, L = 4, 16, 24
-    model = seed_stack(layers=L, linears=5, hidden=H)
+    model = linear_stack(layers=L, linears=5, hidden=H)
     x = torch.randn(B, H, requires_grad=True)
     for last in (False, True):
         for k in range(1, L + 1):
@@ -109,7 +109,7 @@ def test_gpt_saved_bytes_match_cost_model():
 
 def test_recompute_costs_one_extra_forward_in_flops():
     """Linear layers: forward 2BHH, backward 4BHH per layer, so recomputing every layer is 4/3 of a step."""
-    model = seed_stack(layers=6, linears=5, hidden=32)
+    model = linear_stack(layers=6, linears=5, hidden=32)
     x = torch.randn(8, 32, requires_grad=True)
 
     def flops(**kw):
@@ -179,7 +179,7 @@ def test_autocast_state_is_replayed():
 
 
 def test_input_without_grad_still_trains_first_segment():
-    model = seed_stack(layers=4, linears=2, hidden=8)
+    model = linear_stack(layers=4, linears=2, hidden=8)
     ref = copy.deepcopy(model)
     x = torch.randn(3, 8)  # raw data: requires no grad
     checkpoint_sequential(model, 4, x, checkpoint_last=True).pow(2).sum().backward()
@@ -263,7 +263,7 @@ def test_data_parallel_with_checkpointing_matches_single_process():
 
 
 def test_bad_input():
-    model = seed_stack(layers=3, linears=2, hidden=4)
+    model = linear_stack(layers=3, linears=2, hidden=4)
     x = torch.randn(2, 4)
     for segments, err in [
         (0, ValueError),
@@ -287,5 +287,5 @@ def test_bad_input():
     with pytest.raises(ValueError, match="one entry per block"):
         predict_saved([1, 2], [1], 1)
     with pytest.raises(ValueError, match="layers"):
-        seed_stack(layers=0)
+        linear_stack(layers=0)
     assert segment_sizes(24, 5) == [5, 5, 5, 5, 4]

@@ -144,7 +144,9 @@ def test_progress_and_run_command_show_a_line_and_clear_it(monkeypatch):
     assert lines[0] == "three things: 0 of 3 done, 0.0 s" and lines[-1] == ""
     assert any(line.startswith("three things: 2 of 3 done") for line in lines), lines
 
-    done = live.run_command([sys.executable, "-c", "import time; time.sleep(1); print('hi')"], what="a sleeper")
+    done = live.run_command(
+        [sys.executable, "-c", "import time; time.sleep(1); print('hi')"], what="a sleeper"
+    )
     assert done.returncode == 0 and done.stdout == "hi\n"
     lines = [f.get("text/plain", "") for f in handles[1].frames]
     assert lines[0].startswith("running a sleeper: ") and lines[-1] == "", lines

@@ -124,8 +124,8 @@ def gpt_saved_bytes(
 
 
 # ----------------------------------------------------------------------------- models
-def seed_stack(layers: int = 24, linears: int = 5, hidden: int = 64, seed: int = 0) -> nn.Sequential:
-    """Seed 000's picture: `layers` transformer-like layers of `linears` Linear layers each (ReLU
+def linear_stack(layers: int = 24, linears: int = 5, hidden: int = 64, seed: int = 0) -> nn.Sequential:
+    """The textbook picture of checkpointing: `layers` transformer-like layers of `linears` Linear layers each (ReLU
     between them), so each layer saves exactly `linears` activations: its input and each ReLU's output."""
     for name, v in (("layers", layers), ("linears", linears), ("hidden", hidden)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

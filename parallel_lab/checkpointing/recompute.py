@@ -1,7 +1,7 @@
 """Activation checkpointing (recomputation) from scratch: keep block inputs, redo the rest in backward.
 
-Chen, Xu, Zhang & Guestrin 2016, "Training Deep Nets with Sublinear Memory Cost";
-seed 000 (checkpointing): a 24-layer transformer with 5 linear layers per layer
+Chen, Xu, Zhang & Guestrin 2016, "Training Deep Nets with Sublinear Memory Cost".
+A 24-layer transformer with 5 linear layers per layer
 keeps 24 x 5 = 120 intermediate results for backward; keeping only each layer's
 input keeps 24, and backward re-runs one layer's forward at a time to get the
 rest back. Splitting n blocks into ~sqrt(n) segments balances the two terms of
@@ -149,7 +149,7 @@ def checkpoint_sequential(
     Like `torch.utils.checkpoint.checkpoint_sequential`, the last segment runs
     normally by default (its recomputation would come right after its own forward,
     so it would save nothing at the peak); `checkpoint_last=True` checkpoints it
-    too, so every segment keeps exactly one tensor (seed 000's 120 -> 24).
+    too, so every segment keeps exactly one tensor (24 layers x 5: 120 -> 24).
     """
     blocks = list(functions)
     if not blocks:

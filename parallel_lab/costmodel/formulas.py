@@ -95,7 +95,7 @@ def model_state_bytes(
 
 
 def rule_of_thumb_bytes(num_params: int, gb_per_billion: float = 6.0) -> float:
-    """The "6 GB per 1B parameters at 16-bit" rule (seed 001): 6 bytes/param.
+    """The "6 GB per 1B parameters at 16-bit" rule of thumb: 6 bytes/param.
 
     It fits 16-bit weights + 16-bit gradients + ONE 16-bit optimizer state (e.g.
     `model_state_bytes(n, optimizer="momentum", precision="bf16")`): no fp32

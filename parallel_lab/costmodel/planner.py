@@ -11,9 +11,9 @@ Memory per GPU (the first pipeline stage, the fullest under 1F1B):
 Time per iteration: FLOPs 72BsLh^2(1 + s/(6h) + V/(16Lh)), 96 with recomputation
 (Narayanan et al. 2021, eq. 3), at an assumed fraction `mfu` of peak, stretched by
 the pipeline bubble (p-1)/m; plus communication the model does not overlap:
-TP 4 all-reduces of bsh per layer and micro-batch (seed 003: 8bsh), DP one
-all-reduce of the stage's gradients (seed 003: 16h^2 per layer in 16-bit; ZeRO-3
-1.5x; ZeRO-2/3 under PP once per micro-batch, seed 004), PP 2bsh per micro-batch and
+TP 4 all-reduces of bsh per layer and micro-batch (8bsh; Korthikanti et al. 2022), DP one
+all-reduce of the stage's gradients (16h^2 per layer in 16-bit; ZeRO-3 1.5x, Rajbhandari
+et al. 2020 section 7; ZeRO-2/3 under PP once per micro-batch), PP 2bsh per micro-batch and
 boundary. Links: NVLink inside a node, the network across nodes.
 
 Invariant: memory numbers are exact byte counts of the formulas above (and equal
@@ -175,7 +175,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
     dp_comm = 2 * (dp - 1) / dp * grads / bw(dp_inside) * (1.5 if zero == 3 else 1.0) if dp > 1 else 0.0
     if zero >= 2 and pp > 1 and dp > 1:
         dp_comm *= m
-        notes.append("ZeRO-2/3 under PP: a reduce-scatter per micro-batch (seed 004)")
+        notes.append("ZeRO-2/3 under PP: a reduce-scatter per micro-batch")
     pp_inside = dp * tp * pp <= gpn
     pp_comm = (m + pp - 1) * 2 * x / bw(pp_inside) if pp > 1 else 0.0
     time = {"compute": compute, "bubble": bubble, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
@@ -208,14 +208,14 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, micro_batch:
     return sorted(out, key=lambda p: (not p.fits, p.time["total"]))
 
 
-# ----------------------------------------------------------------------------- the seeds' numbers
+# ----------------------------------------------------------------------------- published scale
 def fp32_param_bytes(num_params: float) -> float:
-    """Seed 001: GPT-3's 175B parameters in fp32 are 700 GB (4 bytes each)."""
+    """GPT-3's 175B parameters (Brown et al. 2020) in fp32 are 700 GB (4 bytes each)."""
     return 4.0 * num_params
 
 
 def gradient_traffic_per_iteration(num_params: float, replicas: int, bytes_per_grad: int = 4) -> float:
-    """Seed 001: with 128 model replicas every iteration moves at least 128 x 700 GB = 89.6 TB of gradients
+    """With 128 model replicas every iteration moves at least 128 x 700 GB = 89.6 TB of gradients
     (each replica's full fp32 gradient once). A ring all-reduce actually sends 2(N-1)/N of that per replica."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")

@@ -1,17 +1,17 @@
-"""Data parallelism: seed 000's parameter server, all-reduce DP, gradient accumulation, and the tools
+"""Data parallelism: a parameter server, all-reduce DP, gradient accumulation, and the tools
 that show where the time goes (per-layer backward spans, communication hidden under backward).
 
 Every rank holds the whole model and trains on its own slice of the batch. With N
 equal slices of a mean loss the full-batch gradient is the average of the slices'
 gradients, g = (1/N) Σ_r g_r, so averaging gradients makes every replica take the
-step one process would take on the whole batch (seed 000, 一般数据并行).
+step one process would take on the whole batch.
 
 - `ParameterServerDP` (Li et al. 2014, "Scaling Distributed Machine Learning with
-  the Parameter Server"; told by seed 000): one rank, the server, holds the
+  the Parameter Server"): one rank, the server, holds the
   parameters, the optimizer and the batch. Each step it sends the parameters to every
   worker, scatters the data, gathers the gradients, averages them, updates. Its link
   carries (N-1) copies of the model each way: the bottleneck grows with N.
-- `AllReduceDP` (seed 000, 分布式数据并行; Sergeev & Del Balso 2018, Horovod): no
+- `AllReduceDP` (Sergeev & Del Balso 2018, Horovod): no
   server; after backward one all-reduce per parameter, every rank updates its own
   replica. A ring all-reduce moves 2(N-1)/N of the gradients per rank, whatever N.
 - `ddp.BucketedDDP` overlaps that all-reduce with backward (see data_parallel/ddp.py; runtime/overlap.py
@@ -111,7 +111,7 @@ def _check_algorithm(algorithm: str) -> None:
 
 # ----------------------------------------------------------------------------- parameter server
 class ParameterServerDP:
-    """Seed 000's data parallelism: the server rank keeps the parameters, the optimizer and the batch.
+    """Parameter-server data parallelism: the server rank keeps the parameters, the optimizer and the batch.
 
     `step(batch)` (batch = (x, y) on the server, None elsewhere): 1. the server sends
     its parameters to every worker, 2. scatters the batch in N slices, 3. every rank runs
@@ -187,7 +187,7 @@ class ParameterServerDP:
                     p.grad = piece.view_as(p).clone()
 
     def step(self, batch: Sequence[torch.Tensor] | None, timer: LayerTimer | None = None) -> float:
-        """One training step as seed 000 tells it; returns this rank's loss on its slice."""
+        """One parameter-server training step; returns this rank's loss on its slice."""
         self.pull()
         x, y = self.scatter(batch)
         for p in self.params:

@@ -1,7 +1,7 @@
 """ZeRO-Offload: the fp32 master weights and the optimizer states live in host memory, the host runs Adam.
 
 Ren, Rajbhandari, Aminabadi, Ruwase, Yang, Zhang, Li & He (2021), "ZeRO-Offload:
-Democratizing Billion-Scale Model Training" (USENIX ATC); seed 000 offloading, 001 offload.
+Democratizing Billion-Scale Model Training" (USENIX ATC).
 On top of ZeRO stage 2 (`zero/optimizer.py`), per step and rank:
 
     device: forward + backward with the working weights; each layer's gradients are

@@ -1,7 +1,7 @@
 """BMInf-style inference: a model larger than the device's memory runs layer by layer, weights streamed in.
 
-BMInf (Han et al. 2021, "BMInf: An Efficient Toolkit for Big Model Inference and Tuning";
-seed 000 "把百亿参数大模型跑到只有6GB的显卡上") keeps every weight in host memory and,
+BMInf (Han et al. 2021, "BMInf: An Efficient Toolkit for Big Model Inference and Tuning"),
+which runs a 10B-parameter model on a 6 GB GPU, keeps every weight in host memory and,
 for each layer in turn, copies its weights to the device just before the layer runs and
 drops them after, so the device needs the largest layer (two with prefetch) plus the
 activations, never the whole model. The price is bandwidth: every forward pass moves all

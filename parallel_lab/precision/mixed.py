@@ -2,7 +2,7 @@
 
 Micikevicius et al. 2018, "Mixed Precision Training": weights, activations and
 gradients in fp16; the optimizer keeps an fp32 *master* copy of the weights and
-adds each update there (seed 000: an update lr * grad below fp16's ~6e-5 is lost
+adds each update there (an update lr * grad below fp16's ~6e-5 is lost
 in fp16, and one below half a unit in the last place of the weight vanishes when
 added to it); the loss is multiplied by a scale S before backward so small
 gradients stay above fp16's underflow, and the gradients are divided by S again in

@@ -1,6 +1,6 @@
 """Big-model inference on a small device: int8 weights, streamed layer by layer (BMInf).
 
-BMInf (Han et al. 2021, OpenBMB; seed 000) runs a 10B-parameter model on a 6 GB
+BMInf (Han et al. 2021, OpenBMB) runs a 10B-parameter model on a 6 GB
 GPU with two ideas: linear-layer weights in int8 (1 byte per parameter instead of
 2 or 4), and the model kept in host memory, with as many layers resident on the
 device as fit and the rest copied in layer by layer, just in time, while the

@@ -1,7 +1,7 @@
 """INT8 quantization from scratch: absmax scales, int8 matmul, vector-wise scales, LLM.int8().
 
 Absmax ("symmetric") quantization maps a float tensor x to int8 with one scale
-s = max|x| / 127: q = round(x / s), x ≈ q * s (BMInf's scheme, seed 000; Jacob
+s = max|x| / 127: q = round(x / s), x ≈ q * s (BMInf's scheme; Jacob
 et al. 2018 for the integer-arithmetic view). A matmul of two quantized matrices
 runs in integers, accumulates in int32 and is rescaled once by the product of
 the scales: A @ B ≈ (qA @ qB) * sA * sB.

@@ -1,6 +1,6 @@
 """Live memory by category: which tensors hold how many bytes, allocation by allocation.
 
-The idea (the "memory anatomy" of training, seed 003; ZeRO, Rajbhandari et al.
+The idea (the "memory anatomy" of training; ZeRO, Rajbhandari et al.
 2020, §3): a rank's memory is parameters, gradients, optimizer states,
 activations, communication buffers and temporaries. `MemoryTracker` measures each
 of these live, on any device, CPU included:

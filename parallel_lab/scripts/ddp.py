@@ -4,7 +4,7 @@
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 4 -m parallel_lab.scripts.ddp
     python -m parallel_lab.scripts.ddp --nproc 4          # no launcher: 4 local ranks via parallel_lab.runtime.launch
 
-Variants: "param_server" (seed 000's parameter server), "allreduce" (one all-reduce
+Variants: "param_server" (a parameter server, Li et al. 2014), "allreduce" (one all-reduce
 per parameter after backward), "ddp" (`BucketedDDP`: bucket all-reduces overlapping
 backward), "torch_ddp" (torch.nn.parallel.DistributedDataParallel, its bucket
 all-reduces drawn on our timeline through a comm hook). Rank 0 prints the step time,

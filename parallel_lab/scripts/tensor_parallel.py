@@ -170,7 +170,7 @@ def report(values: list[dict], batch: int, seq: int, d_model: int) -> tuple[str,
             f"{r:>4} {v['params_here']:>8} {v['loss_diff']:>9.2e} {v['grad_diff']:>10.2e} {v['param_diff']:>11.2e} "
             f"{v['layer_bytes']:>11} {v['layer_formula']:>8}" + ("" if good else "  <- differs")
         )
-    lines.append(f"seed 003's per-layer volume 8·b·s·h = {8 * batch * seq * d_model} elements "
+    lines.append(f"per-layer volume 8·b·s·h (Korthikanti et al. 2022) = {8 * batch * seq * d_model} elements "
                  f"(= {8 * batch * seq * d_model * 4} B in fp32; a ring moves (p-1)/p of it per rank)")  # fmt: skip
     return "\n".join(lines), ok
 

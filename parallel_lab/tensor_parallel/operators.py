@@ -217,11 +217,11 @@ def row_shard(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return weight.chunk(tp, dim=1)[rank].clone()
 
 
-# ----------------------------------------------------------------------------- seed 000's example
+# ----------------------------------------------------------------------------- one matmul, split two ways
 def split_matmul(
     ctx, weight: torch.Tensor, x: torch.Tensor, split_by: str, group: Any = None, impl: str = "ring"
 ) -> dict:
-    """y = W x with W split across ranks two ways (seed 000's 3x2 · 2x1, seed 001's row/column split).
+    """y = W x with W split across ranks two ways (a 3x2 · 2x1 example, split by rows or by columns).
 
     split_by="output": rank r holds rows of W (output features; a *column* split of
     A = W^T in Megatron's Y = XA) and the whole x; y_r = W_r x is a finished slice of y,

@@ -202,7 +202,7 @@ def tp_comm_bytes_per_layer(batch: int, seq: int, hidden: int, tp: int, itemsize
                             sequence_parallel: bool = False, regather: bool = False) -> list[int]:  # fmt: skip
     """Bytes each TP rank sends for one layer's forward + backward (ring collectives), per rank.
 
-    Seed 003: attention and MLP each all-reduce x = b·s·h once forward and once backward,
+    Korthikanti et al. 2022 (tensor parallelism, as in Megatron-LM): attention and MLP each all-reduce x = b·s·h once forward and once backward,
     and an all-reduce is two phases (reduce-scatter, all-gather) of x each: 4 all-reduces,
     8x per layer, "8·b·s·h". On a ring a phase moves (p-1)/p of x per rank, so exactly
     8·(p-1)/p·b·s·h elements when p divides b·s·h. Sequence parallelism: 4 reduce-scatters

@@ -4,8 +4,7 @@ A ZeRO *unit* (a transformer block, see zero.layout) covers a range of the flat 
 that cuts the ranks' slices unevenly: rank k's *piece* of the unit is the range inside
 [kS, (k+1)S), often empty. So ZeRO's per-unit collectives move pieces:
 
-- `all_gather_pieces` (stage 3, issued early so it overlaps compute: ZeRO §7, seed 000
-  "overlapping"): rank r posts its piece to every other rank and receives theirs straight
+- `all_gather_pieces` (stage 3, issued early so it overlaps compute: ZeRO §7): rank r posts its piece to every other rank and receives theirs straight
   into place, all at once, and waits later. Built from isend/irecv because gloo's built-in
   all_gather refuses uneven sizes. Sent (N-1)·|piece_r|, received (unit - |piece_r|).
 - `ring_reduce_scatter_pieces` (stages 2, 3): the ring of `comms.ring_reduce_scatter`
@@ -131,8 +130,7 @@ class GradReducer:
 
     A post-accumulate-grad hook counts the unit's parameters; the last one copies the
     unit's gradients into one buffer (padding zeros on the last unit), frees the full
-    gradients at once (seed 000, "什么时候移除": during backward, layer by layer, not after
-    it), reduce-scatters the buffer (`ring_reduce_scatter_pieces`) and adds this rank's
+    gradients at once (during backward, layer by layer, not after it: ZeRO §5.2), reduce-scatters the buffer (`ring_reduce_scatter_pieces`) and adds this rank's
     summed piece into `states.grad_shard` (S,; allocated here when a `zero_grad(set_to_none=True)`
     dropped it). An autograd-engine callback at the end of
     backward reduces units some of whose parameters got no gradient (counted as zero).

@@ -5,7 +5,7 @@ for mixed-precision Adam (K = 12 bytes of optimizer state per parameter):
 
     stage 0: 16Ψ   stage 1: 4Ψ + 12Ψ/N   stage 2: 2Ψ + 14Ψ/N   stage 3: 16Ψ/N
 
-and for Ψ = 7.5B on N = 64 GPUs: 120 / 31.4 / 16.6 / 1.9 GB (seed 001).
+and for Ψ = 7.5B on N = 64 GPUs: 120 / 31.4 / 16.6 / 1.9 GB (the ZeRO paper's Figure 1).
 `costmodel.model_state_bytes` is that formula with Ψ/N rounded up to S = ceil(Ψ/N).
 `count_state_bytes` builds the per-rank tensors with the very function a real run uses
 (`zero.layout.build_states`) on the `meta` device, runs torch's own optimizer step on

@@ -1,8 +1,7 @@
 """ZeRO stages 0-2: data parallelism that stops keeping N copies of the optimizer states and gradients.
 
 Rajbhandari, Rasley, Ruwase & He (2020), "ZeRO: Memory Optimizations Toward Training
-Trillion Parameter Models", §5.1-5.2 (P_os, P_os+g) and §7 (communication). Seed 000
-tells the same story: every rank of plain data parallelism runs the same optimizer
+Trillion Parameter Models", §5.1-5.2 (P_os, P_os+g) and §7 (communication). The idea: every rank of plain data parallelism runs the same optimizer
 update on the same numbers, so let each rank update only its 1/N.
 
 - Stage 0 (plain DP, for comparison): gradients all-reduced (ring), every rank runs the

@@ -1,6 +1,6 @@
 """Checks for lesson 07 (activation checkpointing): a recompute Function and checkpoint_sequential.
 
-Both run on seed 000's picture (layers of 5 Linear layers) and compare gradients
+Both run on a stack of layers of 5 Linear layers each and compare gradients
 with the un-checkpointed model bit for bit (the same ops on the same values), count
 what autograd keeps with `SavedTensorCounter`, and count forward calls to see the
 recomputation. `torch.utils.checkpoint` is switched off inside the learner's code:
@@ -71,10 +71,10 @@ def check_recompute(Function: type) -> None:
     """`Function.apply(run, x)` returns `run(x)`, keeps only `x` for backward, and in backward runs
     `run` again with grad enabled and back-propagates through it."""
     require_callable(getattr(Function, "apply", None), "Function.apply")
-    from parallel_lab.checkpointing import SavedTensorCounter, seed_stack
+    from parallel_lab.checkpointing import SavedTensorCounter, linear_stack
 
     torch.manual_seed(0)
-    block = seed_stack(layers=1, linears=5, hidden=16, seed=7)
+    block = linear_stack(layers=1, linears=5, hidden=16, seed=7)
     ref = copy.deepcopy(block)
     x = torch.randn(6, 16, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
@@ -110,11 +110,11 @@ def check_checkpoint_sequential(fn: Callable[[nn.Sequential, int, torch.Tensor],
     """`fn(blocks, segments, x)`: every segment (the last too) keeps only its input; gradients equal the
     plain model's; segments < 1 or more than the blocks -> ValueError."""
     require_callable(fn)
-    from parallel_lab.checkpointing import SavedTensorCounter, seed_stack
+    from parallel_lab.checkpointing import SavedTensorCounter, linear_stack
 
     layers = 24
     for segments in (24, 5, 7, 1):
-        model = seed_stack(layers=layers, linears=5, hidden=16, seed=1)
+        model = linear_stack(layers=layers, linears=5, hidden=16, seed=1)
         ref = copy.deepcopy(model)
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(segments), requires_grad=True)
         xr = x.detach().clone().requires_grad_()
@@ -145,7 +145,7 @@ def check_checkpoint_sequential(fn: Callable[[nn.Sequential, int, torch.Tensor],
         )
         names = [f"parameter {n}" for n, _ in model.named_parameters()] + ["the input x"]
         _compare(where, _grads(model, x), _grads(ref, xr), names)
-    small = seed_stack(layers=3, linears=2, hidden=4)
+    small = linear_stack(layers=3, linears=2, hidden=4)
     for bad in (0, -1, 4):
         try:
             fn(small, bad, torch.randn(2, 4, requires_grad=True))

@@ -52,7 +52,7 @@ def bytes_per_param(optimizer: str = "adam", precision: str = "mixed") -> dict[s
     """{'param', 'grad', 'optim'} bytes for one parameter (before any sharding).
 
     mixed + adam: 2 + 2 + (4 master + 4 m + 4 v) = 16; fp32 + adam: 4 + 4 + 8 = 16;
-    bf16 + adam: 2 + 2 + 4 = 8; mixed + momentum: 2 + 2 + 8 (the seed's "8 bytes"
+    bf16 + adam: 2 + 2 + 4 = 8; mixed + momentum: 2 + 2 + 8 (the "8 bytes" of the usual rule
     for an SGD-like optimizer).
     """
     if optimizer not in OPTIMIZER_STATES:

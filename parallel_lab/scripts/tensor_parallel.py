@@ -9,7 +9,7 @@ Every rank is one tensor-parallel rank (TP size = world size) and sees the whole
 Each rank also trains the single-process model on the same batches, so it can compare
 the loss, its gradient shards and, at the end, its parameter shards with the slices of
 the reference. Then one transformer layer's forward + backward is run alone to count
-the bytes it sends, against the seed's 8·b·s·h formula. Rank 0 prints the table and
+the bytes it sends, against the 8·b·s·h formula. Rank 0 prints the table and
 writes the trace (`--trace`, default runs/tensor_parallel.json).
 """
 

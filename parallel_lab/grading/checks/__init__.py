@@ -15,7 +15,171 @@ The contract a check keeps (graders and `python -m parallel_lab grade` rely on i
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import re
+from collections.abc import Iterator
 from typing import Any
+
+# A learner's code runs in a Jupyter kernel, whose cells compile to files like
+# /tmp/ipykernel_1234/567.py (or <ipython-input-3-...> on old IPython): frames there are theirs.
+_LEARNER_FILE = re.compile(r"ipykernel_\d+[/\\]\d+\.py|<ipython-input-")
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\n(?:\s{4,}(\S.*)\n)?', re.M)
+
+
+def learner_frames(traceback_text: str) -> str:
+    """The frames of a traceback that are the learner's own code (notebook cells), one per line
+    pair, innermost last; '' when there is none. The grader maps them to cell numbers."""
+    out = []
+    for file, line, fn, code in _FRAME.findall(traceback_text + "\n"):
+        if _LEARNER_FILE.search(file):
+            out.append(f'  File "{file}", line {line}, in {fn}\n    {code.strip()}')
+    return "\n".join(out)
+
+
+def rank_verdict(e: BaseException) -> AssertionError:
+    """A check that failed on a rank, as the check's verdict: the rank's message in full, then
+    the frames of the learner's own code that led there (none of the grader's)."""
+    text = str(e)
+    message = text.split(": ", 1)[1] if ": " in text else text
+    message = message.split("\n\n--- traceback", 1)[0]
+    yours = learner_frames(getattr(e, "remote_traceback", "") or "")
+    where = f"\n\nyour code, on rank {getattr(e, 'rank', '?')}:\n{yours}" if yours else ""
+    return AssertionError(message + where)
+
+
+class WriteItYourself(AssertionError):
+    """Raised by a library function that a check switched off: the exercise asks for the learner's own."""
+
+
+@contextlib.contextmanager
+def unavailable(targets: dict[str, str], exercise: str) -> Iterator[None]:
+    """While the learner's function runs, the library's answer to the exercise is switched off.
+
+    `targets` maps dotted names ("parallel_lab.comms.ring.ring_all_reduce",
+    "torch.distributed.all_reduce") to what the learner should do instead. A Python function
+    gets a new body (its `__code__`), so every alias of it fails, also one imported before the
+    check (`from parallel_lab.comms import ring_all_reduce as mine`); a built-in collective is
+    replaced on its module and on the process group, where every `torch.distributed` call lands.
+    Calling one raises `WriteItYourself` naming the function and the exercise.
+    """
+    undo: list[tuple[Any, str, Any]] = []
+    try:
+        for dotted, instead in targets.items():
+            owner, name, fn = _resolve(dotted)
+            if fn is None:
+                continue
+            message = (
+                f"{exercise} asks you to write this yourself: {dotted} is switched off while the check runs"
+            )
+            message += f" ({instead})" if instead else ""
+            if _swappable(fn):
+                undo.append((fn, "__code__", fn.__code__))
+                fn.__code__ = _raiser(dotted, message).__code__.replace(co_name=fn.__code__.co_name)
+            else:
+                undo.append((owner, name, fn))
+                setattr(owner, name, _raiser(dotted, message))
+        yield
+    finally:
+        for obj, attr, old in reversed(undo):
+            setattr(obj, attr, old)
+
+
+_MESSAGES: dict[str, str] = {}  # dotted name -> message, read by the raisers' shared code
+
+
+def _raiser(dotted: str, message: str):
+    _MESSAGES[dotted] = message
+
+    def switched_off(*args, **kwargs):
+        # Runs as the swapped-in body of a library function, with that function's globals:
+        # reach this module by import, and find the message under the code's own file name.
+        checks = __import__("parallel_lab.grading.checks", fromlist=["_MESSAGES"])
+        code = __import__("sys")._getframe(0).f_code
+        raise checks.WriteItYourself(checks._MESSAGES.get(code.co_filename, "this function is switched off"))
+
+    switched_off.__code__ = switched_off.__code__.replace(co_filename=dotted)
+    return switched_off
+
+
+def _swappable(fn: Any) -> bool:
+    """A plain Python function without closure cells: its body can be replaced in place."""
+    return type(fn).__name__ == "function" and not fn.__code__.co_freevars
+
+
+def _resolve(dotted: str) -> tuple[Any, str, Any]:
+    """(owner object, attribute, value) for "pkg.module.attr" or "pkg.module.Class.method"."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:-1]:
+            obj = getattr(obj, attr, None)
+        if obj is None:
+            return None, parts[-1], None
+        if isinstance(obj, type):  # a class: its own entry (a pybind method must go back unbound)
+            for klass in obj.__mro__:
+                if parts[-1] in vars(klass):
+                    value = vars(klass)[parts[-1]]
+                    return (
+                        obj,
+                        parts[-1],
+                        getattr(value, "__func__", value)
+                        if _swappable(getattr(value, "__func__", None))
+                        else value,
+                    )
+            return obj, parts[-1], None
+        return obj, parts[-1], getattr(obj, parts[-1], None)
+    return None, parts[-1], None
+
+
+#: Every built-in collective, at both places a learner can reach it: torch.distributed's
+#: functions and the process group's methods that they (and any alias of them) end in.
+TORCH_COLLECTIVES: dict[str, str] = {
+    **{f"torch.distributed.{n}": "" for n in (
+        "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+        "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather",
+        "scatter")},
+    **{f"torch._C._distributed_c10d.ProcessGroup.{n}": "" for n in (
+        "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
+        "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+        "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "alltoall", "alltoall_base", "gather",
+        "scatter")},
+}  # fmt: skip
+
+
+def family(*modules: str, instead: str = "", keep: tuple[str, ...] = ()) -> dict[str, str]:
+    """Every function and method defined in `modules` (dotted names), as `unavailable` targets:
+    the lab's whole implementation of a technique, switched off at once. `keep` lists names the
+    learner may still call (helpers that are not the exercise's answer)."""
+    out: dict[str, str] = {}
+    for name in modules:
+        module = importlib.import_module(name)
+        for attr, value in vars(module).items():
+            if attr.startswith("__") or attr in keep or getattr(value, "__module__", None) != name:
+                continue
+            if isinstance(value, type):
+                for meth, fn in vars(value).items():
+                    fn = getattr(fn, "__func__", fn)  # staticmethod / classmethod
+                    if type(fn).__name__ == "function" and not (meth.startswith("__") and meth != "__init__"):
+                        out[f"{name}.{attr}.{meth}"] = instead
+            elif type(value).__name__ == "function":
+                out[f"{name}.{attr}"] = instead
+    return out
+
+
+def guarded(fn: Any, targets: dict[str, str], exercise: str) -> Any:
+    """`fn` wrapped so that it runs under `unavailable(targets, exercise)`, on whichever rank calls it."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with unavailable(targets, exercise):
+            return fn(*args, **kwargs)
+
+    call.__name__ = getattr(fn, "__name__", "fn")
+    call.__wrapped__ = fn
+    return call
 
 
 def require_callable(fn: Any, name: str = "fn") -> None:
@@ -37,7 +201,7 @@ def launch_learner(fn: Any, world_size: int, *args: Any, **kwargs: Any):
         return launch(fn, world_size, *args, **kwargs)
     except RankError as e:
         if e.exc_type == "NotImplementedError":
-            raise NotImplementedError(str(e).split("\n", 1)[0]) from None
+            raise NotImplementedError(str(e).split("\n", 1)[0].split(": ", 1)[-1]) from None
         raise
 
 

@@ -16,7 +16,14 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from parallel_lab.grading.checks import passed, require_callable
+from parallel_lab.grading.checks import family, passed, require_callable, unavailable
+
+# The lab's recomputation and torch's, switched off while the learner's code runs.
+FORBIDDEN = {
+    **family("parallel_lab.checkpointing.recompute"),
+    "torch.utils.checkpoint.CheckpointFunction.forward": "",
+    "torch.utils.checkpoint.CheckpointFunction.backward": "",
+}
 
 __all__ = ["check_checkpoint_sequential", "check_recompute"]
 
@@ -82,7 +89,11 @@ def check_recompute(Function: type) -> None:
     ref(xr).backward(gout)
     counts, handles = _calls(block[0])
     try:
-        with _no_torch_checkpoint(), SavedTensorCounter(block.parameters()) as c:
+        with (
+            _no_torch_checkpoint(),
+            unavailable(FORBIDDEN, "this exercise (Recompute)"),
+            SavedTensorCounter(block.parameters()) as c,
+        ):
             y = Function.apply(block, x)
             kept = c.live_count
             calls_fwd = counts[0]
@@ -122,7 +133,11 @@ def check_checkpoint_sequential(fn: Callable[[nn.Sequential, int, torch.Tensor],
         counts, handles = _calls(model)
         where = f"{layers} layers x 5 linears, segments={segments}"
         try:
-            with _no_torch_checkpoint(), SavedTensorCounter(model.parameters()) as c:
+            with (
+                _no_torch_checkpoint(),
+                unavailable(FORBIDDEN, "this exercise (checkpoint_sequential)"),
+                SavedTensorCounter(model.parameters()) as c,
+            ):
                 y = fn(model, segments, x)
                 kept = c.live_count
                 assert isinstance(y, torch.Tensor), (
@@ -148,7 +163,8 @@ def check_checkpoint_sequential(fn: Callable[[nn.Sequential, int, torch.Tensor],
     small = linear_stack(layers=3, linears=2, hidden=4)
     for bad in (0, -1, 4):
         try:
-            fn(small, bad, torch.randn(2, 4, requires_grad=True))
+            with unavailable(FORBIDDEN, "this exercise (checkpoint_sequential)"):
+                fn(small, bad, torch.randn(2, 4, requires_grad=True))
         except ValueError:
             continue
         raise AssertionError(

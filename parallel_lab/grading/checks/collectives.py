@@ -11,13 +11,19 @@ the learner's function fails the check. The lab's own from-scratch versions pass
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from parallel_lab.grading.checks import launch_learner, passed, require_callable
+from parallel_lab.grading.checks import (
+    TORCH_COLLECTIVES,
+    launch_learner,
+    passed,
+    rank_verdict,
+    require_callable,
+    unavailable,
+)
 
 __all__ = ["check_all_to_all", "check_ring_all_gather", "check_ring_all_reduce"]
 
@@ -31,43 +37,52 @@ CASES = (
     (1001, torch.float32),
     (10, torch.bfloat16),
 )
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-)
 
 
-@contextlib.contextmanager
-def _forbid_collectives() -> Iterator[None]:
-    """Inside the learner's call every built-in collective raises: the data must travel by
-    point-to-point messages (dist.send/recv/isend/irecv or parallel_lab.comms' traced ones)."""
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+# The lab's own answers to these exercises, switched off while the learner's function runs (with
+# every built-in collective): what is left is point-to-point (comms.sendrecv, isend, irecv, send, recv).
+_ANSWERS = {
+    f"parallel_lab.comms.{m}.{n}": "build it from comms.sendrecv / isend / irecv"
+    for m, names in {
+        "ring": ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_all_reduce_pipelined",
+                 "naive_all_reduce", "all_to_all"),
+        "tree": ("tree_broadcast", "tree_reduce", "tree_all_reduce"),
+        "builtin": ("dist_all_reduce", "dist_broadcast", "dist_reduce", "dist_all_gather", "dist_gather",
+                    "dist_scatter", "dist_reduce_scatter", "dist_all_to_all"),
+    }.items()
+    for n in names
+}  # fmt: skip
+FORBIDDEN = {**_ANSWERS, **TORCH_COLLECTIVES}
 
-    def forbid(name):
-        def call(*args, **kwargs):
+
+def _sent(ctx) -> int:
+    """Bytes this rank has sent through the traced comms layer so far."""
+    return sum(c.get("sent", 0) for c in ctx.recorder.comm.values())
+
+
+def _signature(kind: str, p: int, numel: int, itemsize: int, sent: int, where: str) -> None:
+    """The bytes a rank sent must be those of the algorithm the exercise asks for."""
+    if p == 1 or numel == 0:
+        return
+    if sent == 0:
+        raise AssertionError(
+            f"{kind}: {where}: your function sent nothing through parallel_lab.comms; send every message "
+            "with comms.sendrecv / isend / irecv / send / recv (they are traced, so the check can count them)"
+        )
+    if kind == "ring_all_reduce":
+        bound = 2 * (p - 1) * -(-numel // p) * itemsize
+        if sent > bound:
             raise AssertionError(
-                f"your function called torch.distributed.{name}: build the collective from send/recv "
-                "(parallel_lab.comms.sendrecv, isend, irecv) instead"
+                f"{kind}: {where}: this rank sent {sent} bytes; a ring sends at most 2(p-1) chunks of "
+                f"ceil(n/p) elements, {bound} bytes (sending whole tensors is not a ring)"
             )
-
-        return call
-
-    try:
-        for name in saved:
-            setattr(dist, name, forbid(name))
-        yield
-    finally:
-        for name, real in saved.items():
-            setattr(dist, name, real)
+    else:
+        want = (p - 1) * numel * itemsize
+        if sent != want:
+            raise AssertionError(
+                f"{kind}: {where}: this rank sent {sent} bytes; every rank must send each of its "
+                f"p-1 pieces once, {want} bytes"
+            )
 
 
 def _data(rank: int, numel: int, dtype: torch.dtype, device, salt: int = 0) -> torch.Tensor:
@@ -113,15 +128,17 @@ def _run_cases(ctx, fn: Callable, kind: str) -> int:
             arg = [_data(r, numel, dtype, ctx.device, salt=100 + j) for j in range(p)]
             want = [torch.empty_like(x) for _ in range(p)]
             dist.all_to_all(want, [a.clone() for a in arg])
+        before = _sent(ctx)
         try:
-            with _forbid_collectives():
+            with unavailable(FORBIDDEN, f"this exercise ({kind})"):
                 got = fn(ctx, arg)
         except NotImplementedError:
             raise
-        except AssertionError as e:  # a forbidden collective, or an assert in the learner's code
-            raise AssertionError(f"{kind}: {where}: {e or 'an assert in your function failed'}") from None
+        except AssertionError as e:  # a switched-off function, or an assert in the learner's code
+            raise AssertionError(f"{kind}: {where}: {e or 'an assert in your function failed'}") from e
         except Exception as e:
             raise AssertionError(f"{kind}: {where}: your function raised {type(e).__name__}: {e}") from e
+        _signature(kind, p, numel, x.element_size(), _sent(ctx) - before, where)
         if kind == "ring_all_reduce" and got is None:
             got = arg  # reduced in place, like dist.all_reduce
         if kind == "all_to_all":
@@ -146,8 +163,8 @@ def _check(fn: Callable, kind: str, check: str) -> None:
             result = launch_learner(_run_cases, p, fn, kind, timeout=30.0)
         except Exception as e:
             exc_type = getattr(e, "exc_type", None)
-            if exc_type == "AssertionError":  # our own verdict, raised on a rank: keep only the message
-                raise AssertionError(str(e).split(": ", 1)[1].split("\n\n--- traceback", 1)[0]) from None
+            if exc_type in ("AssertionError", "WriteItYourself"):  # our verdict, raised on a rank
+                raise rank_verdict(e) from None
             if type(e).__name__ == "LaunchTimeout":
                 raise AssertionError(
                     f"{kind}: world_size={p}: the ranks did not finish in 30 s; a send whose matching "

@@ -20,7 +20,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel_lab.grading.checks import launch_learner, passed, require_callable
+from parallel_lab.grading.checks import (
+    family,
+    guarded,
+    launch_learner,
+    passed,
+    rank_verdict,
+    require_callable,
+    unavailable,
+)
+
+# The lab's router and expert-parallel layer, switched off while the learner's code runs
+# (parallel_lab.comms' all-to-all stays: the exercise is built from it).
+FORBIDDEN = family("parallel_lab.moe.routing", "parallel_lab.moe.expert_parallel")
 
 __all__ = ["check_dispatch_combine", "check_top_k_router"]
 
@@ -58,6 +70,7 @@ def _router_cases() -> list[tuple[str, torch.Tensor, int, int]]:
 def check_top_k_router(route_top_k: Callable) -> None:
     """`route_top_k(probs, k, capacity)` -> (experts (N, k), slots (N, k), -1 = dropped)."""
     require_callable(route_top_k, "route_top_k")
+    route_top_k = guarded(route_top_k, FORBIDDEN, "this exercise (route_top_k)")
     cases = _router_cases()
     for name, probs, k, capacity in cases:
         where = f"case {name!r}"
@@ -165,7 +178,7 @@ def _run_dispatch(ctx, fn: Callable, cases) -> int:
                     t = int(tokens[e, s])
                     want[t] += gates[e, s] * every[e](x[t : t + 1])[0]
         try:
-            with _only_all_to_all():
+            with _only_all_to_all(), unavailable(FORBIDDEN, "this exercise (dispatch_combine)"):
                 got = fn(ctx, x.to(ctx.device), tokens.to(ctx.device), gates.to(ctx.device), mine)
         except NotImplementedError:
             raise
@@ -196,8 +209,8 @@ def check_dispatch_combine(dispatch_combine: Callable) -> None:
         try:
             res = launch_learner(_run_dispatch, p, dispatch_combine, cases, timeout=30.0)
         except Exception as e:
-            if getattr(e, "exc_type", None) == "AssertionError":
-                raise AssertionError(str(e).split(": ", 1)[1].split("\n\n--- traceback", 1)[0]) from None
+            if getattr(e, "exc_type", None) in ("AssertionError", "WriteItYourself"):
+                raise rank_verdict(e) from None
             if type(e).__name__ == "LaunchTimeout":
                 raise AssertionError(
                     f"world_size={p}: the ranks did not finish in 30 s; every rank must take part in every "

@@ -16,7 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from parallel_lab.grading.checks import passed, require_callable
+from parallel_lab.grading.checks import family, guarded, passed, require_callable
+
+FORBIDDEN = family("parallel_lab.offload.host_optimizer", "parallel_lab.offload.streaming")
 
 __all__ = ["check_offloaded_step"]
 
@@ -59,7 +61,7 @@ def check_offloaded_step(fn: Callable) -> None:
         moved.update(d2h=0, h2d=0)
         where = f"step {step}"
         try:
-            fn(params, masters, opt, to_host, to_device)
+            guarded(fn, FORBIDDEN, "this exercise (offloaded_step)")(params, masters, opt, to_host, to_device)
         except NotImplementedError:
             raise
         except Exception as e:

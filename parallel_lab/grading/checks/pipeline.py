@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from parallel_lab.grading.checks import passed, require_callable
+from parallel_lab.grading.checks import family, guarded, passed, require_callable
+
+# The lab's schedules, simulator and bubble formula, switched off while the learner's function runs.
+FORBIDDEN = {
+    **family("parallel_lab.pipeline.schedules", "parallel_lab.pipeline.simulator"),
+    "parallel_lab.costmodel.formulas.pipeline_bubble_fraction": "",
+}
 
 __all__ = ["check_bubble_fraction", "check_one_f_one_b"]
 
@@ -43,6 +49,7 @@ def _show(steps) -> str:
 def check_one_f_one_b(fn: Callable[[int, int, int], list]) -> None:
     """`fn(stage, stages, microbatches)` -> stage's 1F1B order: [('F', 0), ('F', 1), ..., ('B', m-1)]."""
     require_callable(fn)
+    fn = guarded(fn, FORBIDDEN, "this exercise (one_f_one_b)")
     from parallel_lab.costmodel import pipeline_bubble_fraction
     from parallel_lab.pipeline import ScheduleError, add_comms, order_1f1b, simulate, validate_schedule
 
@@ -79,6 +86,7 @@ def check_one_f_one_b(fn: Callable[[int, int, int], list]) -> None:
 def check_bubble_fraction(fn: Callable[[int, int, int], float]) -> None:
     """`fn(stages, microbatches, chunks)` -> the idle share of a pipeline step, (p-1)/(v*m + p-1)."""
     require_callable(fn)
+    fn = guarded(fn, FORBIDDEN, "this exercise (bubble_fraction)")
     from parallel_lab.costmodel import pipeline_bubble_fraction
     from parallel_lab.pipeline import make_schedule, simulate
 

@@ -8,7 +8,18 @@ from collections.abc import Callable
 
 import torch
 
-from parallel_lab.grading.checks import passed, require_callable
+from parallel_lab.grading.checks import family, guarded, passed, require_callable
+
+# The lab's loss scaler and mixed-precision optimizer, and torch's GradScaler, switched off
+# while the learner's function runs.
+FORBIDDEN = {
+    **family("parallel_lab.precision.mixed"),
+    **{
+        f"torch.amp.grad_scaler.GradScaler.{m}": "" for m in ("update", "step", "unscale_", "_unscale_grads_")
+    },
+    "torch._amp_update_scale_": "",
+    "torch._amp_foreach_non_finite_check_and_unscale_": "",
+}
 
 __all__ = ["check_master_weight_step", "check_update_scale"]
 
@@ -20,6 +31,7 @@ def check_update_scale(fn: Callable[..., tuple[float, int]]) -> None:
     """`fn(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)` -> (scale, tracker),
     compared step by step with `torch._amp_update_scale_`, the kernel `torch.amp.GradScaler.update` runs."""
     require_callable(fn)
+    fn = guarded(fn, FORBIDDEN, "this exercise (update_scale)")
     rng = random.Random(6)
     steps = 0
     for init, growth, backoff, interval in _SETTINGS:
@@ -89,6 +101,7 @@ def check_master_weight_step(fn: Callable[..., bool]) -> None:
     overflows that must be skipped, with SGD and Adam, fp16 and bf16.
     """
     require_callable(fn)
+    fn = guarded(fn, FORBIDDEN, "this exercise (master_weight_step)")
     cases = 0
     for dtype, opt_name, lr in (
         (torch.float16, "sgd", 1e-3),

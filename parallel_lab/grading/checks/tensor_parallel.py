@@ -19,11 +19,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from parallel_lab.grading.checks import launch_learner, passed, require_callable
+from parallel_lab.grading.checks import (
+    family,
+    guarded,
+    launch_learner,
+    passed,
+    rank_verdict,
+    require_callable,
+)
 
 __all__ = ["check_column_parallel_linear", "check_f_and_g", "check_row_parallel_linear"]
 
 WORLD_SIZES = (1, 2, 4)
+# The lab's tensor-parallel layers and operators and torch's DTensor styles, switched off on the
+# ranks while a check runs (parallel_lab.comms' collectives stay).
+FORBIDDEN = {
+    **family("parallel_lab.tensor_parallel.operators", "parallel_lab.tensor_parallel.layers"),
+    "torch.distributed.tensor.parallel.parallelize_module": "",
+}
 ATOL, RTOL = 1e-5, 1e-4
 B, T, IN, OUT = 3, 5, 12, 24  # in/out features divisible by every world size above
 
@@ -174,12 +187,15 @@ def _run(rank_fn: Callable, what: str, *fns: Any) -> None:
         require_callable(getattr(fn, "apply", None), f"{what}.apply (a torch.autograd.Function subclass)")
     for p in WORLD_SIZES:
         try:
-            launch_learner(rank_fn, p, *fns, timeout=30.0)
+            launch_learner(guarded(rank_fn, FORBIDDEN, f"this exercise ({what})"), p, *fns, timeout=30.0)
         except NotImplementedError:
             raise
         except Exception as e:
-            if getattr(e, "exc_type", None) == "AssertionError":  # our verdict on a rank: the message only
-                raise AssertionError(str(e).split(": ", 1)[1].split("\n\n--- traceback", 1)[0]) from None
+            if getattr(e, "exc_type", None) in (
+                "AssertionError",
+                "WriteItYourself",
+            ):  # our verdict on a rank: the message only
+                raise rank_verdict(e) from None
             if type(e).__name__ == "LaunchTimeout":
                 raise AssertionError(
                     f"{what}: world_size={p}: the ranks did not finish in 30 s; does every rank call the same "

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from parallel_lab.grading.checks import passed, require_callable
+from parallel_lab.grading.checks import family, guarded, passed, require_callable
+
+# The lab's mesh and its byte formulas, and torch's device mesh, switched off while the learner's
+# function runs.
+FORBIDDEN = {
+    **family("parallel_lab.runtime.parallel_dims"),
+    **family("parallel_lab.costmodel.formulas"),
+    "parallel_lab.tensor_parallel.transformer.tp_comm_bytes_per_layer": "",
+    "torch.distributed.device_mesh.init_device_mesh": "",
+}
 
 __all__ = ["check_comm_bytes_per_layer", "check_mesh_groups"]
 
@@ -35,6 +44,7 @@ _SLIP = " That numbering puts TP outermost; the lab puts TP innermost (a TP grou
 def check_mesh_groups(fn: Callable[[int, int, int, int], tuple]) -> None:
     """`fn(dp, tp, pp, rank)` -> ({"pp", "dp", "tp"} coordinates, {"pp", "dp", "tp"} group ranks)."""
     require_callable(fn)
+    fn = guarded(fn, FORBIDDEN, "this exercise (mesh_groups)")
     from parallel_lab.runtime.parallel_dims import ParallelDims
 
     ranks = 0
@@ -68,6 +78,7 @@ def check_mesh_groups(fn: Callable[[int, int, int, int], tuple]) -> None:
 def check_comm_bytes_per_layer(fn: Callable[..., dict]) -> None:
     """`fn(b, s, h, tp, dp, itemsize=2)` -> {"tp": bytes per micro-batch, "dp": bytes per step}, one rank, one layer."""
     require_callable(fn)
+    fn = guarded(fn, FORBIDDEN, "this exercise (comm_bytes_per_layer)")
     from parallel_lab.costmodel import GPT3, allreduce_bytes_per_rank
     from parallel_lab.tensor_parallel import tp_comm_bytes_per_layer
 

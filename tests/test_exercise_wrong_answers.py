@@ -1,0 +1,194 @@
+"""Every exercise check passes the reference solution and rejects known-wrong answers, each with a
+message naming what differed.
+
+The wrong answers are of four kinds: a wrapper of the lab's own implementation (switched off while
+the check runs, also when imported under another name first), a wrapper of the torch built-in
+(switched off too, or caught by the algorithm's signature), an off-by-one or wrong index, and a
+wrong sign, order or factor. Each is the learner's cell: either a whole new definition, or the
+solution's cell with one edit. The check cell then runs exactly as in the notebook.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from solution_code import _cells, check_cells, solution_namespace
+
+LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12"]
+P = "import torch\nimport torch.distributed as dist\nfrom parallel_lab import comms\n"
+
+
+def _check_cell(lesson: str, check: str) -> str:
+    (cell,) = [c for c in check_cells(lesson) if re.search(rf"^{check}\(", c, re.M)]
+    return cell
+
+
+def _solution_cell(lesson: str, name: str) -> str:
+    (cell,) = [c for c in _cells(lesson)[0] if re.search(rf"^(?:def|class) {name}\b", c, re.M)]
+    return cell
+
+
+def _run_check(lesson: str, check: str, override: str | None = None) -> None:
+    ns = solution_namespace(lesson)
+    if override is not None:
+        exec(compile(override, f"<wrong answer for {check}>", "exec"), ns)  # noqa: S102
+    exec(compile(_check_cell(lesson, check), f"<check cell {check}>", "exec"), ns)  # noqa: S102
+
+
+def edit(lesson: str, name: str, old: str, new: str) -> str:
+    """The solution's cell defining `name`, with `old` replaced by `new` (once; it must be there)."""
+    src = "\n".join(line for line in _solution_cell(lesson, name).splitlines() if "### HINT" not in line)
+    assert old in src, f"{old!r} not in the solution of {name}"
+    return src.replace(old, new, 1)
+
+
+# (lesson, check, label, the learner's cell, what the message must say)
+WRONG = [
+    # ---- 01 collectives
+    ("01", "check_ring_all_reduce", "wraps the lab's ring", P + "def ring_all_reduce(ctx, t, group=None):\n    return comms.ring_all_reduce(ctx, t)\n", "switched off"),
+    ("01", "check_ring_all_reduce", "wraps the lab's ring, imported first",
+     P + "from parallel_lab.comms import ring_all_reduce as mine\ndef ring_all_reduce(ctx, t, group=None):\n    return mine(ctx, t)\n", "switched off"),
+    ("01", "check_ring_all_reduce", "wraps torch", P + "def ring_all_reduce(ctx, t, group=None):\n    dist.all_reduce(t)\n    return t\n", "switched off"),
+    ("01", "check_ring_all_reduce", "wraps torch's process group",
+     P + "def ring_all_reduce(ctx, t, group=None):\n    dist.group.WORLD.allreduce([t]).wait()\n    return t\n", "switched off"),
+    ("01", "check_ring_all_reduce", "sends whole tensors to everybody", P + '''
+def ring_all_reduce(ctx, t, group=None):
+    p, r = ctx.world_size, ctx.rank
+    total = t.clone()
+    for s in range(1, p):
+        got = torch.empty_like(t)
+        comms.sendrecv(ctx, t, (r + s) % p, got, (r - s) % p)
+        total += got
+    return t.copy_(total)
+''', "is not a ring"),
+    ("01", "check_ring_all_reduce", "adds into the wrong chunk", edit("01", "ring_all_reduce", "(r - s - 2) % p", "(r - s - 1) % p"), "wrong element"),
+    ("01", "check_ring_all_reduce", "subtracts", edit("01", "ring_all_reduce", "chunks[recv_k] += incoming", "chunks[recv_k] -= incoming"), "wrong element"),
+    ("01", "check_ring_all_gather", "wraps torch", P + '''
+def ring_all_gather(ctx, t, group=None):
+    out = [torch.empty_like(t) for _ in range(ctx.world_size)]
+    dist.all_gather(out, t)
+    return torch.stack(out)
+''', "switched off"),
+    ("01", "check_ring_all_gather", "wraps the lab's ring", P + "def ring_all_gather(ctx, t, group=None):\n    return comms.ring_all_gather(ctx, t)\n", "switched off"),
+    ("01", "check_ring_all_gather", "forwards the wrong row", edit("01", "ring_all_gather", "out[(r - s) % p]", "out[(r - s + 1) % p]"), "wrong element"),
+    ("01", "check_all_to_all", "wraps torch", P + '''
+def all_to_all(ctx, tensors, group=None):
+    out = [torch.empty_like(t) for t in tensors]
+    dist.all_to_all(out, list(tensors))
+    return out
+''', "switched off"),
+    ("01", "check_all_to_all", "wraps the lab's", P + "def all_to_all(ctx, tensors, group=None):\n    return comms.all_to_all(ctx, tensors)\n", "switched off"),
+    ("01", "check_all_to_all", "pieces in the wrong rank order", edit("01", "all_to_all", "return out", "return out[::-1]"), "wrong element"),
+    # ---- 02 memory
+    ("02", "check_memory_calculator", "wraps the lab's formula",
+     "from parallel_lab.costmodel import model_state_bytes\ndef memory_calculator(n, optimizer, precision):\n    return model_state_bytes(n, 1, 0, optimizer, precision)\n", "switched off"),
+    ("02", "check_memory_calculator", "forgets the fp32 master copy", edit("02", "memory_calculator", "4 + 4 * n_states", "4 * n_states"), "optim"),
+    ("02", "check_memory_calculator", "Adam with one state", edit("02", "memory_calculator", '"adam": 2', '"adam": 1'), "optim"),
+    # ---- 03 data parallel
+    ("03", "check_average_gradients", "sums instead of averaging", edit("03", "average_gradients", "p.grad.div_(ctx.world_size)", "pass"), "divide by world_size"),
+    ("03", "check_average_gradients", "wraps the lab's AllReduceDP", P + '''
+from parallel_lab.data_parallel import AllReduceDP
+def average_gradients(ctx, model):
+    AllReduceDP(ctx, model).sync_gradients()
+''', "switched off"),
+    ("03", "check_assign_buckets", "wraps the lab's", "from parallel_lab.data_parallel.ddp import assign_buckets as ours\ndef assign_buckets(params, b):\n    return ours(params, b)\n", "switched off"),
+    ("03", "check_assign_buckets", "forward order", edit("03", "assign_buckets", "for p in reversed(kept):", "for p in kept:"), "reverse registration"),
+    ("03", "check_assign_buckets", "closes a bucket one parameter late", edit("03", "assign_buckets", "if size >= bucket_bytes:", "if size > bucket_bytes:"), "bucket"),
+    ("03", "check_ddp_grad_hook", "forgets to divide", edit("03", "ddp_grad_hook", "param.grad.div_(ctx.world_size)", "pass"), "divide by world_size"),
+    ("03", "check_ddp_grad_hook", "waits at once (no pending work)", edit("03", "ddp_grad_hook", "pending.append(dist.all_reduce(param.grad, async_op=True))", "dist.all_reduce(param.grad)"), "exactly one pending"),
+    # ---- 04 ZeRO
+    ("04", "check_zero1_step", "forgets to average", edit("04", "zero1_step", "shard.grad = grad / ctx.world_size", "shard.grad = grad"), "differ"),
+    ("04", "check_zero1_step", "wraps the lab's ZeRO", P + '''
+from parallel_lab.zero import optimizer as zo
+def zero1_step(ctx, flat_param, flat_grad, shard, optimizer):
+    zo.ZeroOptimizer.step(None)
+''', "switched off"),
+    ("04", "check_zero3_hooks", "keeps the gathered weights", edit("04", "zero3_hooks", "p.data = torch.empty(0)", "pass"), "free"),
+    # ---- 05 offload
+    ("05", "check_offloaded_step", "updates in 16 bits on the host", edit("05", "offloaded_step", "master.grad = to_host(p.grad).float()", "master.grad = to_host(p.grad).float().half().float() * 0"), "differ"),
+    ("05", "check_offloaded_step", "sends fp32 weights up", edit("05", "offloaded_step", "to_device(master.detach().to(p.dtype))", "to_device(master.detach()).to(p.dtype)"), "bytes"),
+    # ---- 06 mixed precision
+    ("06", "check_update_scale", "keeps the growth tracker on overflow", edit("06", "update_scale", "return scale * backoff_factor, 0", "return scale * backoff_factor, growth_tracker"), "restarts at 0"),
+    ("06", "check_update_scale", "wraps torch's kernel", '''
+import torch
+def update_scale(scale, tracker, found_inf, growth, backoff, interval):
+    s, t = torch.tensor(float(scale)), torch.tensor(tracker, dtype=torch.int32)
+    torch._amp_update_scale_(s, t, torch.tensor(float(found_inf)), growth, backoff, interval)
+    return s.item(), int(t)
+''', "switched off"),
+    ("06", "check_master_weight_step", "does not unscale", edit("06", "master_weight_step", "p.grad.float() / scale", "p.grad.float()"), "divide the gradient"),
+    ("06", "check_master_weight_step", "steps on overflow", edit("06", "master_weight_step", "return False\n    optimizer.step()", "pass\n    optimizer.step()"), "must be skipped"),
+    # ---- 07 checkpointing
+    ("07", "check_recompute", "wraps torch.utils.checkpoint", '''
+import torch
+import torch.utils.checkpoint as tuc
+class Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, x):
+        return x
+    apply = staticmethod(lambda run, x: tuc.checkpoint(run, x, use_reentrant=True))
+''', "build the recomputation yourself"),
+    ("07", "check_checkpoint_sequential", "wraps the lab's", "from parallel_lab.checkpointing import checkpoint_sequential as ours\n"
+     "def checkpoint_sequential(blocks, segments, x):\n    return ours(blocks, segments, x, checkpoint_last=True)\n", "switched off"),
+    ("07", "check_checkpoint_sequential", "drops the remainder blocks", edit("07", "checkpoint_sequential", "size = q + (1 if k < r else 0)", "size = q"), "should run twice"),
+    # ---- 08 tensor parallel
+    ("08", "check_row_parallel_linear", "adds the bias on every rank before the sum", edit("08", "RowParallelLinearFn", "        y = x @ weight.t()  # (..., out): a partial sum\n        comms.dist_all_reduce(ctx, y, group=group)  # the full product on every rank\n        return y + bias",
+     "        y = x @ weight.t() + bias\n        comms.dist_all_reduce(ctx, y, group=group)\n        return y"), "differs"),
+    ("08", "check_f_and_g", "wraps the lab's operators", P + '''
+from parallel_lab.tensor_parallel import operators as ops
+class CopyToTP(torch.autograd.Function):
+    apply = staticmethod(lambda x, ctx, group=None: ops.copy_to_tp_region(x, ctx, group))
+''', "switched off"),
+    # ---- 09 pipeline
+    ("09", "check_one_f_one_b", "wraps the lab's", "from parallel_lab.pipeline import order_1f1b\ndef one_f_one_b(stage, stages, m):\n    return order_1f1b(stage, stages, m)\n", "switched off"),
+    ("09", "check_one_f_one_b", "GPipe instead", "def one_f_one_b(stage, stages, m):\n    return [('F', i) for i in range(m)] + [('B', i) for i in range(m)]\n", "warms up with min"),
+    ("09", "check_bubble_fraction", "wraps the lab's", "from parallel_lab.costmodel import pipeline_bubble_fraction as ours\ndef bubble_fraction(p, m, v=1):\n    return ours(p, m, v)\n", "switched off"),
+    ("09", "check_bubble_fraction", "forgets the chunks", "def bubble_fraction(p, m, v=1):\n    return (p - 1) / (m + p - 1)\n", "bubble shrinks by v"),
+    # ---- 10 3D
+    ("10", "check_mesh_groups", "wraps the lab's mesh", '''
+from parallel_lab.runtime.parallel_dims import ParallelDims
+def mesh_groups(dp, tp, pp, rank):
+    d = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp)
+    return d.coords(rank), {a: d.groups(a) for a in ("tp", "dp", "pp")}
+''', "switched off"),
+    ("10", "check_mesh_groups", "dp and tp swapped", edit("10", "mesh_groups", '"dp": rank // tp % dp, "tp": rank % tp', '"dp": rank % dp, "tp": rank // dp % tp'), "rank"),
+    ("10", "check_comm_bytes_per_layer", "two all-reduces per layer, not four", edit("10", "comm_bytes_per_layer", '"tp": 4 * ring_all_reduce', '"tp": 2 * ring_all_reduce'), "tp"),
+    # ---- 11 MoE
+    ("11", "check_top_k_router", "token-major order", edit("11", "route_top_k", "    for c in range(k):  # first choices of every token before any second choice\n        for t in range(n):",
+     "    for t in range(n):\n        for c in range(k):"), "slot"),
+    ("11", "check_top_k_router", "wraps the lab's router", '''
+import torch
+from parallel_lab.moe import routing
+def route_top_k(probs, k, capacity):
+    return routing.assign_slots(probs, k, capacity)
+''', "switched off"),
+    ("11", "check_dispatch_combine", "forgets the gate", edit("11", "dispatch_combine", "expert_gates[e, m, None] * back[e, m]", "back[e, m]"), "differs"),
+    # ---- 12 quantization
+    ("12", "check_quantize_absmax", "truncates", edit("12", "quantize", "torch.round(", "torch.trunc("), "wrong int8 value"),
+    ("12", "check_quantize_absmax", "wraps torch", '''
+import torch
+def quantize(x):
+    s = x.abs().max() / 127
+    return torch.quantize_per_tensor(x, float(s), 0, torch.qint8).int_repr(), s
+''', "switched off"),
+    ("12", "check_int8_matmul", "accumulates in int8", edit("12", "int8_matmul", "qa.to(torch.int32) @ qb.to(torch.int32)", "(qa.to(torch.int32) @ qb.to(torch.int32)).to(torch.int8).to(torch.int32)"), "wrong value"),
+    ("12", "check_int8_matmul", "wraps the lab's", "from parallel_lab.quantization import int8_matmul as ours\ndef int8_matmul(qa, sa, qb, sb):\n    return ours(qa, sa, qb, sb)\n", "switched off"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_the_reference_solution_passes_every_check(lesson, capsys):
+    for cell in check_cells(lesson):
+        check = re.search(r"^(check_\w+)\(", cell, re.M).group(1)
+        _run_check(lesson, check)
+        assert f"{check} passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("lesson", "check", "label", "source", "want"), WRONG, ids=[f"{w[1]}-{w[2]}" for w in WRONG]
+)
+def test_a_wrong_answer_fails_saying_what_differed(lesson, check, label, source, want):
+    with pytest.raises(AssertionError) as info:
+        _run_check(lesson, check, source)
+    assert want in str(info.value), f"{label}: {info.value}"

@@ -12,6 +12,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -19,6 +20,8 @@ import pytest
 import parallel_lab.grading.checks
 from parallel_lab import grading
 from parallel_lab.grading.checks import demo
+
+REPO = Path(__file__).resolve().parents[1]
 
 DEMO = "99_demo.ipynb"
 RIGHT_ADD = 'def add(a, b):\n    """Return a + b."""\n    return a + b'
@@ -259,7 +262,7 @@ def test_grade_rejects_bad_arguments(demo_solutions, tmp_path):
 def test_solution_passes(demo_solutions):
     report = grading.grade(demo_solutions / DEMO)
     assert report.passed, report.summary()
-    assert statuses(report) == {"check_add": "pass", "check_sum_of_squares": "pass"}
+    assert statuses(report) == {"check_add": "passed", "check_sum_of_squares": "passed"}
 
 
 def test_wrong_answer_fails_with_the_assertion_message(exercise, tmp_path, demo_solutions):
@@ -267,7 +270,7 @@ def test_wrong_answer_fails_with_the_assertion_message(exercise, tmp_path, demo_
     cell(exercise, "ex2-sum").source = RIGHT_SUM
     report = grading.grade(write_learner(exercise, tmp_path), demo_solutions)
     assert not report.passed
-    assert statuses(report) == {"check_add": "fail", "check_sum_of_squares": "pass"}
+    assert statuses(report) == {"check_add": "failed", "check_sum_of_squares": "passed"}
     assert "add(1, 2) returned -1, expected 3" in report.results[0].message
     assert "add(1, 2) returned -1" in report.summary()
 
@@ -277,7 +280,7 @@ def test_deleted_check_cells_still_run(exercise, tmp_path, demo_solutions):
     exercise.cells = [c for c in exercise.cells if c.id not in ("ex1-check", "ex2-check", "ex1-add")]
     cell(exercise, "ex2-sum").source = RIGHT_SUM
     report = grading.grade(write_learner(exercise, tmp_path), demo_solutions)
-    assert statuses(report) == {"check_add": "error", "check_sum_of_squares": "pass"}
+    assert statuses(report) == {"check_add": "error", "check_sum_of_squares": "passed"}
     assert "NameError" in report.results[0].message and not report.passed
 
 
@@ -292,7 +295,7 @@ def test_faked_outputs_and_gutted_checks_do_not_pass(exercise, tmp_path, demo_so
     path = write_learner(exercise, tmp_path)
     before = path.read_bytes()
     report = grading.grade(path, demo_solutions)
-    assert statuses(report) == {"check_add": "not implemented", "check_sum_of_squares": "not implemented"}
+    assert statuses(report) == {"check_add": "not started", "check_sum_of_squares": "not started"}
     assert report.results[0].message.startswith("exercise 1 (add)")
     assert path.read_bytes() == before  # grading never writes the learner's file
 
@@ -302,7 +305,7 @@ def test_cli_grade_exit_codes(tmp_path, make_exercises, demo_solutions, repo):
     cli = [sys.executable, "-m", "parallel_lab", "grade", "--solutions", str(demo_solutions)]
     bad = subprocess.run([*cli, str(tmp_path / "exercises" / DEMO)], capture_output=True, text=True, cwd=repo)
     assert bad.returncode == 1, bad.stdout + bad.stderr
-    assert "check_add" in bad.stdout and "not implemented" in bad.stdout and "NOT PASSED" in bad.stdout
+    assert "check_add" in bad.stdout and "not started" in bad.stdout and "NOT PASSED" in bad.stdout
     good = subprocess.run([*cli, str(demo_solutions / DEMO)], capture_output=True, text=True, cwd=repo)
     assert good.returncode == 0, good.stdout + good.stderr
     assert "2 checks: 2 passed" in good.stdout
@@ -339,7 +342,58 @@ def test_cli_grades_the_real_lesson_01_exercise_and_solution(repo):
     todo = subprocess.run([*cli, "exercises/01_collectives.ipynb"], capture_output=True, text=True, cwd=repo)
     assert todo.returncode == 1, todo.stdout + todo.stderr
     rows = [line for line in todo.stdout.splitlines() if re.match(r"\s*\d+\s+check_", line)]
-    assert len(rows) >= 2 and all("not implemented" in line for line in rows), todo.stdout
+    assert len(rows) >= 2 and all("not started" in line for line in rows), todo.stdout
     done = subprocess.run([*cli, "solutions/01_collectives.ipynb"], capture_output=True, text=True, cwd=repo)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{len(rows)} checks: {len(rows)} passed" in done.stdout, done.stdout
+
+
+def test_grade_shows_the_learners_own_frames_full_messages_and_a_table(tmp_path):
+    """A wrapper of the lab's ring fails naming the switched-off function and the learner's cell and
+    line; an unfinished exercise is 'not started'; the table lists every check; exit status 1."""
+    nb = nbformat.read(REPO / "exercises" / "01_collectives.ipynb", as_version=4)
+    for c in nb.cells:
+        if c.cell_type == "code" and "def ring_all_gather" in c.source:
+            c.source = "def ring_all_gather(ctx, tensor, group=None):\n    return comms.ring_all_gather(ctx, tensor)\n"
+            pos = nb.cells.index(c) + 1
+    (tmp_path / "exercises").mkdir()
+    path = tmp_path / "exercises" / "01_collectives.ipynb"
+    nbformat.write(nb, path)
+    done = subprocess.run([sys.executable, "-m", "parallel_lab", "grade", str(path), "--solutions",
+                           str(REPO / "solutions")], capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 1, out + done.stderr
+    assert "parallel_lab.comms.ring.ring_all_gather is switched off while the check runs" in out
+    assert f"cell {pos}, line 2, in ring_all_gather: return comms.ring_all_gather(ctx, tensor)" in out
+    assert "grading/" not in out and "checks/" not in out, "no frame of the grader's own code"
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "check_" in line]
+    assert [r[1:] for r in rows] == [["check_ring_all_reduce", "not", "started"],
+                                     ["check_ring_all_gather", "failed"],
+                                     ["check_all_to_all", "not", "started"]], out  # fmt: skip
+    assert out.rstrip().endswith("NOT PASSED")
+
+
+@pytest.mark.parametrize("what", ["text file", "not json", "a lesson notebook"])
+def test_grading_something_that_is_not_the_exercise_is_one_line(tmp_path, what):
+    import shutil
+
+    (tmp_path / "exercises").mkdir()
+    if what == "text file":
+        path = tmp_path / "exercises" / "01_collectives.txt"
+        path.write_text("hello")
+    elif what == "not json":
+        path = tmp_path / "exercises" / "01_collectives.ipynb"
+        path.write_text("hello")
+    else:
+        path = tmp_path / "exercises" / "03_data_parallel.ipynb"
+        shutil.copy(REPO / "notebooks" / "03_data_parallel.ipynb", path)
+    done = subprocess.run([sys.executable, "-m", "parallel_lab", "grade", str(path), "--solutions",
+                           str(REPO / "solutions")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert {
+        "text file": ".ipynb",
+        "not json": "not a Jupyter notebook",
+        "a lesson notebook": "is not the exercise notebook",
+    }[what] in lines[0]

@@ -24,11 +24,12 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import parallel_lab.grading.checks as _checks_pkg
 
 CHECK_TAG = "check"
-PASS, FAIL, TODO, ERROR = "pass", "fail", "not implemented", "error"
+PASS, FAIL, TODO, ERROR = "passed", "failed", "not started", "error"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -71,6 +72,7 @@ class CheckResult:
     check: str
     status: str
     message: str = ""
+    where: list[str] = field(default_factory=list)  # the learner's own frames: "cell 4, line 12, in fn: code"
 
 
 @dataclass
@@ -85,25 +87,26 @@ class GradeReport:
         return bool(self.results) and all(r.status == PASS for r in self.results)
 
     def summary(self) -> str:
-        """A short table: one row per check, then the full message of every check that did not pass."""
-        width = max([len(r.check) for r in self.results] + [5])
-        lines = [f"Grading {_shown(self.notebook)} (checks from {_shown(self.solution)})", ""]
-        lines.append(f"  {'#':>2}  {'check':<{width}}  result")
+        """What a learner reads: for each check that did not pass, its whole message and where in
+        their own cells it happened; then one row per check; then the verdict."""
+        lines = [f"Grading {_shown(self.notebook)} (checks from {_shown(self.solution)})"]
         for i, r in enumerate(self.results, 1):
-            first = r.message.strip().splitlines()[0] if r.message.strip() else ""
-            note = f"  {first[:70]}{'...' if len(first) > 70 else ''}" if r.status != PASS else ""
-            lines.append(f"  {i:>2}  {r.check:<{width}}  {r.status}{note}")
+            if r.status == PASS:
+                continue
+            lines += ["", f"--- check {i}, {r.check}: {r.status}"]
+            lines += [r.message.strip()] if r.message.strip() else []
+            if r.where:
+                lines += ["your code:", *(f"  {w}" for w in r.where)]
+        width = max([len(r.check) for r in self.results] + [5])
+        lines += ["", f"  {'#':>2}  {'check':<{width}}  result"]
+        lines += [f"  {i:>2}  {r.check:<{width}}  {r.status}" for i, r in enumerate(self.results, 1)]
         counts = {s: sum(r.status == s for r in self.results) for s in (PASS, FAIL, TODO, ERROR)}
-        words = {PASS: "passed", FAIL: "failed", TODO: "not implemented", ERROR: "errored"}
         lines += [
             "",
             f"{len(self.results)} check{'s' if len(self.results) != 1 else ''}: "
-            + ", ".join(f"{n} {words[s]}" for s, n in counts.items() if n),
+            + ", ".join(f"{n} {s}" for s, n in counts.items() if n),
+            "PASSED" if self.passed else "NOT PASSED",
         ]
-        for i, r in enumerate(self.results, 1):
-            if r.status in (FAIL, ERROR) and "\n" in r.message.strip():
-                lines += ["", f"--- check {i} ({r.check}): {r.status}", r.message.strip()]
-        lines.append("PASSED" if self.passed else "NOT PASSED")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -193,13 +196,57 @@ def classify_error(ename: str, evalue: str) -> tuple[str, str]:
     return ERROR, f"{ename}: {evalue}"
 
 
-def _outcome(cell, cell_id: str, not_run: str) -> CheckResult:
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CELL_FRAME = re.compile(r"^Cell In\[(\d+)\], line (\d+)(?:, in (\S+))?", re.M)
+_FILE_FRAME = re.compile(r'File "[^"]*ipykernel_\d+[/\\]\d+\.py", line (\d+), in (\S+)\n\s+(\S.*)')
+
+
+def learner_cells(nb) -> list[tuple[int, Any]]:
+    """(1-based position, cell) of the learner's code cells: everything but the checks."""
+    return [(i, c) for i, c in enumerate(nb.cells, 1) if c.cell_type == "code" and not is_check_cell(c)]
+
+
+def where_in_cells(nb, traceback_lines: list[str], message: str) -> list[str]:
+    """The frames of a failure that lie in the learner's own cells, innermost last, as
+    "cell 4, line 12, in ring_all_reduce: chunks[k] += incoming". Frames come from the kernel's
+    traceback ("Cell In[7], line 12") and from a rank's traceback quoted in the message (a kernel
+    cell's file and line; the cell is found by the line's text)."""
+    mine = learner_cells(nb)
+    by_count = {c.get("execution_count"): (i, c) for i, c in mine}
+    out: list[str] = []
+
+    def show(pos: int, cell, line: int, fn: str | None) -> None:
+        lines = cell.source.splitlines()
+        code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+        entry = f"cell {pos}, line {line}" + (f", in {fn}" if fn and fn != "<module>" else "") + f": {code}"
+        if entry not in out:
+            out.append(entry)
+
+    text = _ANSI.sub("", "\n".join(traceback_lines))
+    for m in _CELL_FRAME.finditer(text):
+        hit = by_count.get(int(m.group(1)))
+        if hit is not None:
+            show(hit[0], hit[1], int(m.group(2)), m.group(3))
+    for m in _FILE_FRAME.finditer(message):
+        line, fn, code = int(m.group(1)), m.group(2), m.group(3).strip()
+        for pos, cell in mine:
+            lines = cell.source.splitlines()
+            if 0 < line <= len(lines) and lines[line - 1].strip() == code:
+                show(pos, cell, line, fn)
+                break
+    return out
+
+
+def _outcome(cell, cell_id: str, not_run: str, nb=None) -> CheckResult:
     found = re.search(r"\b(check_\w+)\s*\(", cell.source)
     name = found.group(1) if found else cell_id
     for out in cell.get("outputs", []):
         if out.get("output_type") == "error":
-            status, message = classify_error(out.get("ename", ""), out.get("evalue", ""))
-            return CheckResult(cell_id, name, status, message)
+            status, message = classify_error(out.get("ename", ""), _ANSI.sub("", out.get("evalue", "")))
+            where = where_in_cells(nb, out.get("traceback", []), message) if nb is not None else []
+            # the rank's raw frames were only there to find the cells: the cells say it better
+            message = message.split("\n\nyour code, on rank", 1)[0] if where else message
+            return CheckResult(cell_id, name, status, message, where)
     if cell.get("execution_count") is None:
         return CheckResult(cell_id, name, ERROR, f"not run: {not_run}")
     return CheckResult(cell_id, name, PASS)
@@ -266,7 +313,19 @@ def grade(path: str | Path, solutions: str | Path | None = None, timeout: float 
     if not path.is_file():
         raise FileNotFoundError(f"notebook not found: {path}")
     solution_path = find_solution(path, solutions)
-    learner, solution = _read(path), _read(solution_path)
+    try:
+        learner = _read(path)
+    except Exception as e:  # not JSON, or JSON that is not a notebook
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path} is not a Jupyter notebook ({reason[:120]})") from None
+    solution = _read(solution_path)
+    ours = {c.get("id") for c in solution.cells}
+    shared = sum(c.get("id") in ours for c in learner.cells)
+    if shared < max(1, len(solution.cells) // 2):
+        raise ValueError(
+            f"{path} is not the exercise notebook {solution_path.name}: only {shared} of its cells come from it "
+            f"(grade exercises/{solution_path.name} or your copy of it; a lesson notebook has no exercises)"
+        )
     nb, check_ids = assemble(learner, solution)
     if not check_ids:
         raise ValueError(
@@ -275,7 +334,7 @@ def grade(path: str | Path, solutions: str | Path | None = None, timeout: float 
     stopped = execute(nb, cwd=path.resolve().parent, timeout=timeout) or "an earlier cell stopped the run"
     by_id = {c.get("id"): c for c in nb.cells}
     report = GradeReport(path, solution_path)
-    report.results = [_outcome(by_id[i], i, stopped) for i in check_ids]
+    report.results = [_outcome(by_id[i], i, stopped, nb) for i in check_ids]
     return report
 
 

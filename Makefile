@@ -49,6 +49,11 @@ notebooks: setup
 exercises: setup
 	$(PY) tools/make_exercises.py
 
+# Grade an exercise notebook: make grade NB=exercises/01_collectives.ipynb (several: NB="a.ipynb b.ipynb").
+grade: setup
+	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/01_collectives.ipynb"; exit 2; }
+	$(VENV)/bin/parallel-lab grade $(NB)
+
 # Ratios against the torch built-ins, each measured in one run (minutes on a laptop; run it idle).
 bench: setup
 	$(PY) benchmarks/launch.py

@@ -192,3 +192,68 @@ def test_a_wrong_answer_fails_saying_what_differed(lesson, check, label, source,
     with pytest.raises(AssertionError) as info:
         _run_check(lesson, check, source)
     assert want in str(info.value), f"{label}: {info.value}"
+
+
+# ----------------------------------------------------------------------------- what a learner sees
+def _exercise(lesson: str):
+    import nbformat
+    from solution_code import REPO
+
+    (path,) = (REPO / "exercises").glob(f"{lesson}_*.ipynb")
+    return nbformat.read(path, as_version=4)
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_hints_come_in_two_levels(lesson):
+    """The stub names the idea; a folded second hint follows the exercise cell; the lab's own code
+    for the exercise (shown in the solution after each check) is not in the exercise notebook."""
+    nb = _exercise(lesson)
+    stubs = [
+        (i, c)
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and "raise NotImplementedError(" in c.source
+    ]
+    assert len(stubs) >= len(check_cells(lesson))
+    for i, cell in stubs:
+        after = nb.cells[i + 1]
+        assert after.cell_type == "markdown" and after.source.startswith("<details><summary><b>Hint 2</b>"), (
+            lesson,
+            i,
+        )
+        first = re.findall(r'raise NotImplementedError\("([^"]*)"\)', cell.source)
+        second = after.source.split("</summary>", 1)[1]
+        for hint in first:
+            assert hint.split(": ", 1)[1] not in second, "the stub repeats the second hint"
+    assert not any("inspect.getsource" in c.source for c in nb.cells), (
+        "the lab's answer leaks into the exercise"
+    )
+
+
+def test_no_lesson_prints_the_code_an_exercise_asks_for():
+    """A lesson shows the lab's code for a technique, except the functions an exercise asks the learner to
+    write: those are printed in the solution notebook, after the exercise."""
+    import nbformat
+    from solution_code import REPO
+
+    answers = set()
+    for lesson in LESSONS:
+        for src in _cells(lesson)[0]:
+            if "solution-only" in src or "getsource" in src:
+                answers |= set(re.findall(r"getsource\(([\w.]+)\)", src))
+
+    def key(dotted: str) -> str:  # "ring.ring_all_reduce" -> "ring_all_reduce"; "Zero3._unit_pre" stays
+        parts = dotted.split(".")
+        return ".".join(parts[-2:]) if len(parts) > 1 and parts[-2][:1].isupper() else parts[-1]
+
+    answers = {key(a) for a in answers}
+    assert {"ring_all_reduce", "assign_buckets", "order_1f1b", "int8_matmul"} <= answers
+    shown = []
+    for path in sorted((REPO / "notebooks").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code":
+                shown += [
+                    (path.name, a)
+                    for a in re.findall(r"getsource\(([\w.]+)\)", cell.source)
+                    if a.split(".")[-1] in answers
+                ]
+    assert not shown, shown

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import nbformat
 
-BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
+BEGIN, END, HINT, HINT2 = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:", "### HINT 2:"
+SOLUTION_ONLY = "solution-only"  # a cell with this tag (e.g. the lab's own code for an exercise) is not copied
 HEADING = re.compile(r"^#+\s*Exercises?\s+(\d+(?:\s*(?:,|and|&)\s*\d+)*)", re.MULTILINE | re.IGNORECASE)
 CHECK_TAG = "check"
 CHECK_HEADER = "# NBVAL_CHECK_OUTPUT"
@@ -65,6 +66,21 @@ def _enclosing_function(lines: list[str], indent: str) -> str | None:
             if depth == 0:
                 return name
     return name
+
+
+def second_hints(source: str) -> list[str]:
+    """The `### HINT 2:` lines of a cell's solution blocks, in order (the text after the marker)."""
+    return [ln.strip()[len(HINT2) :].strip() for ln in source.splitlines() if ln.strip().startswith(HINT2)]
+
+
+def hint_cell(hints: list[str], cell_id: str) -> nbformat.NotebookNode:
+    """A markdown cell holding the second hint, folded: the learner opens it only when stuck."""
+    body = "\n\n".join(h.replace("*", "\\*") for h in hints)  # b*s*h is a product, not emphasis
+    cell = nbformat.v4.new_markdown_cell(
+        f"<details><summary><b>Hint 2</b> (open it only if you are stuck)</summary>\n\n{body}\n\n</details>"
+    )
+    cell["id"] = f"{cell_id}-hint2"[:64]
+    return cell
 
 
 def strip_solutions(source: str, first_number: int | Iterator[int], where: str) -> tuple[str, int]:
@@ -115,6 +131,8 @@ def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nb
     # sees matches the text they are reading; notebooks without such headings count blocks
     headed = any(c.cell_type == "markdown" and HEADING.search(c.source) for c in nb.cells)
     number, under = 1, iter(())  # under: the numbers of the exercise heading above
+    nb.cells = [c for c in nb.cells if SOLUTION_ONLY not in c.metadata.get("tags", [])]
+    hints_after: dict[str, list[str]] = {}
     for i, cell in enumerate(nb.cells):
         where = f"{name}, cell {i} (id {cell.id})"
         cell.metadata.pop("execution", None)  # timings JupyterLab may record
@@ -134,10 +152,18 @@ def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nb
                 raise SolutionFormatError(f"{where}: a check cell must not contain a solution")
             cell.metadata["deletable"], cell.metadata["editable"] = False, False
             continue
+        if second := second_hints(cell.source):
+            hints_after[cell.id] = second
         cell.source, n = strip_solutions(cell.source, under if headed else number, where)
         number += n
         if "BEGIN SOLUTION" in cell.source or "END SOLUTION" in cell.source:
             raise SolutionFormatError(f"{where}: a solution marker is not on a line of its own")
+    cells = []
+    for cell in nb.cells:
+        cells.append(cell)
+        if cell.get("id") in hints_after:
+            cells.append(hint_cell(hints_after[cell.id], cell.id))
+    nb.cells = cells
     return nb
 
 

@@ -25,7 +25,7 @@ FORBIDDEN = {
     "torch.utils.checkpoint.CheckpointFunction.backward": "",
 }
 
-__all__ = ["check_checkpoint_sequential", "check_recompute"]
+__all__ = ["check_checkpoint_sequential", "check_peak_saved", "check_recompute"]
 
 
 @contextlib.contextmanager
@@ -173,3 +173,29 @@ def check_checkpoint_sequential(fn: Callable[[nn.Sequential, int, torch.Tensor],
     passed(
         "check_checkpoint_sequential", "24 x 5 = 120 activations -> 24, gradients bit-exact for 4 spacings"
     )
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+def check_peak_saved(fn: Callable[[int, int, int], int]) -> None:
+    """`fn(layers, linears, segments)` -> the most saved activations alive at once during one forward and
+    backward of `layers` blocks of `linears` Linear layers, every one of `segments` segments checkpointed
+    (the first `layers % segments` segments one block longer); predicted, then counted by autograd's
+    saved-tensor hooks on a real run (exactly)."""
+    require_callable(fn)
+    from parallel_lab.checkpointing import SavedTensorCounter, checkpoint_sequential, linear_stack
+
+    targets = {**FORBIDDEN, **family("parallel_lab.checkpointing.measure")}
+    cases = 0
+    for layers, linears, segments in ((24, 5, 24), (24, 5, 5), (24, 5, 1), (10, 3, 4), (7, 2, 3), (12, 4, 6)):
+        model = linear_stack(layers=layers, linears=linears, hidden=8, seed=3)
+        x = torch.randn(2, 8, requires_grad=True)
+        with SavedTensorCounter(model.parameters()) as c:
+            checkpoint_sequential(model, segments, x, checkpoint_last=True).sum().backward()
+        with unavailable(targets, "this exercise (peak_saved)"):
+            said = fn(layers, linears, segments)
+        assert said == c.peak_count, (
+            f"{layers} layers x {linears} linears in {segments} checkpointed segments: you predict a peak of "
+            f"{said} saved tensors, autograd held {c.peak_count} at once"
+        )
+        cases += 1
+    passed("check_peak_saved", f"{cases} peaks predicted exactly")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from parallel_lab.grading.checks import (
     TORCH_COLLECTIVES,
+    guarded,
     launch_learner,
     passed,
     rank_verdict,
@@ -25,7 +26,7 @@ from parallel_lab.grading.checks import (
     unavailable,
 )
 
-__all__ = ["check_all_to_all", "check_ring_all_gather", "check_ring_all_reduce"]
+__all__ = ["check_all_to_all", "check_ring_all_gather", "check_ring_all_reduce", "check_ring_bytes"]
 
 WORLD_SIZES = (1, 2, 3, 4)
 #: (numel, dtype): empty, one element, fewer than 4 ranks, uneven, bigger and uneven, bf16
@@ -52,7 +53,12 @@ _ANSWERS = {
     }.items()
     for n in names
 }  # fmt: skip
-FORBIDDEN = {**_ANSWERS, **TORCH_COLLECTIVES}
+FORBIDDEN = {
+    **_ANSWERS,
+    **TORCH_COLLECTIVES,
+    "parallel_lab.comms.cost.ring_bytes_per_rank": "",
+    "parallel_lab.costmodel.formulas.allreduce_bytes_per_rank": "",
+}
 
 
 def _sent(ctx) -> int:
@@ -188,3 +194,41 @@ def check_ring_all_gather(fn: Callable) -> None:
 def check_all_to_all(fn: Callable) -> None:
     """`fn(ctx, tensors, group=None)`: `tensors[j]` goes to rank j; returns p tensors, [j] from rank j."""
     _check(fn, "all_to_all", "check_all_to_all")
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+def _measure_ring_bytes(ctx, sizes: tuple[int, ...]) -> list[int]:
+    """Bytes this rank sends in the lab's ring all-reduce of each size (float32), read from the tracer."""
+    from parallel_lab import comms
+
+    out = []
+    for n in sizes:
+        before = _sent(ctx)
+        comms.ring_all_reduce(ctx, torch.ones(n, device=ctx.device))
+        out.append(_sent(ctx) - before)
+    return out
+
+
+def check_ring_bytes(fn: Callable) -> None:
+    """`fn(n, p, rank, itemsize)` -> the bytes `rank` sends in a ring all-reduce of n elements on p ranks,
+    predicted, then compared with what the lab's ring sends, measured by the byte counter (exactly)."""
+    require_callable(fn)
+    fn = guarded(fn, FORBIDDEN, "this exercise (ring_bytes)")
+    sizes = (1, 3, 10, 1001, 4096)
+    cases = 0
+    for p in (2, 3, 4):
+        measured = launch_learner(_measure_ring_bytes, p, sizes, timeout=60.0).values
+        for r in range(p):
+            for n, got_bytes in zip(sizes, measured[r]):
+                said = fn(n, p, r, 4)
+                assert isinstance(said, (int, float)) and not isinstance(said, bool), (
+                    f"ring_bytes({n}, {p}, {r}, 4) must return a number of bytes, got {type(said).__name__}"
+                )
+                hint = ""
+                if said == 2 * (p - 1) * n * 4 // p or said == 2 * (p - 1) / p * n * 4:
+                    hint = "; 2(p-1)/p n is the average over ranks: chunks differ by one element when p does not divide n"
+                assert said == got_bytes, (
+                    f"n={n} elements on p={p} ranks, rank {r}: you predict {said} bytes, the ring sent {got_bytes}{hint}"
+                )
+                cases += 1
+    passed("check_ring_bytes", f"{cases} predictions equal the bytes measured on 2, 3 and 4 ranks")

@@ -25,7 +25,7 @@ from parallel_lab.grading.checks import (
     require_callable,
 )
 
-__all__ = ["check_assign_buckets", "check_average_gradients", "check_ddp_grad_hook"]
+__all__ = ["check_assign_buckets", "check_average_gradients", "check_ddp_grad_hook", "check_ddp_bytes"]
 
 WORLD_SIZES = (1, 2, 3, 4)
 BATCH = 12
@@ -218,3 +218,47 @@ def check_assign_buckets(fn: Callable) -> None:
                 f"{[len(r) for r in got]}; close a bucket as soon as it holds >= bucket_bytes"
             )
     passed("check_assign_buckets", f"all {len(cases)} cases")
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+def _measure_ddp_bytes(ctx, bucket_bytes: int) -> dict:
+    """One BucketedDDP step (from-scratch ring all-reduces) of the check's small GPT: its buckets and
+    the bytes this rank sent."""
+    from parallel_lab.data_parallel import BucketedDDP, shard_batch
+
+    batch, _ = _reference()
+    x, y = (t.to(ctx.device) for t in shard_batch(batch, ctx.rank, ctx.world_size))
+    ddp = BucketedDDP(
+        _model().to(ctx.device), ctx, bucket_bytes=bucket_bytes, comm="ring", broadcast_params=False
+    )
+    before = sum(c.get("sent", 0) for c in ctx.recorder.comm.values())
+    ddp(x, y).backward()
+    ddp.finish_gradient_sync()
+    sent = sum(c.get("sent", 0) for c in ctx.recorder.comm.values()) - before
+    return {"buckets": [b.buffer.numel() for b in ddp.buckets], "itemsize": ddp.buckets[0].buffer.element_size(),
+            "sent": sent}  # fmt: skip
+
+
+def check_ddp_bytes(fn: Callable) -> None:
+    """`fn(bucket_numels, p, rank, itemsize)` -> the bytes `rank` sends in one step of bucketed DDP whose
+    buckets hold `bucket_numels` elements each, every bucket all-reduced with the ring of lesson 01;
+    predicted, then compared with the byte counter of a real run (exactly)."""
+    require_callable(fn)
+    fn = guarded(fn, {**FORBIDDEN, **family("parallel_lab.comms.cost", keep=("chunk_sizes",)), "parallel_lab.costmodel.formulas.allreduce_bytes_per_rank": ""},
+                 "this exercise (ddp_bytes)")  # fmt: skip
+    cases = 0
+    for p, bucket_bytes in ((2, 1 << 30), (3, 2048), (4, 600)):
+        for r, got in enumerate(
+            launch_learner(_measure_ddp_bytes, p, bucket_bytes, timeout=60.0, threads=1).values
+        ):
+            said = fn(list(got["buckets"]), p, r, got["itemsize"])
+            where = f"{len(got['buckets'])} bucket(s) of {got['buckets']} elements on {p} ranks, rank {r}"
+            hint = ""
+            total = sum(got["buckets"]) * got["itemsize"]
+            if said == 2 * (p - 1) * total / p or said == 2 * (p - 1) * total // p:
+                hint = " (2(p-1)/p is the average; each bucket's ring cuts it into chunks that differ by one element)"
+            assert said == got["sent"], (
+                f"{where}: you predict {said} bytes, the rank sent {got['sent']}{hint}"
+            )
+            cases += 1
+    passed("check_ddp_bytes", f"{cases} ranks in 3 runs sent exactly what you predicted")

@@ -10,7 +10,7 @@ from parallel_lab.grading.checks import family, guarded, passed, require_callabl
 # The lab's byte accounting, switched off while the learner's function runs.
 FORBIDDEN = {**family("parallel_lab.costmodel.formulas"), **family("parallel_lab.runtime.memory_state")}
 
-__all__ = ["check_memory_calculator"]
+__all__ = ["check_memory_calculator", "check_peak_memory"]
 
 _KEYS = ("param", "grad", "optim", "total")
 _SIZES = (1_000_000_000, 7_000_000_000, 70_000_000_000, 123_457)
@@ -91,3 +91,69 @@ def check_memory_calculator(fn: Callable[[int, str, str], dict]) -> None:
     finally:
         torch.set_num_threads(threads)
     passed("check_memory_calculator", f"{cases} configs vs the cost model, {len(_MEASURED)} measured steps")
+
+
+# ----------------------------------------------------------------------------- the tracker's bookkeeping
+def _reference_peak(events: list[tuple]) -> tuple[int, dict]:
+    live: dict = {}
+    total = peak = 0
+    at_peak: dict = {}
+    for ev in events:
+        if ev[0] == "alloc":
+            _, name, nbytes, cat = ev
+            live[name] = (nbytes, cat)
+            total += nbytes
+        else:
+            total -= live.pop(ev[1])[0]
+        if total > peak:
+            peak = total
+            at_peak = {}
+            for nbytes, cat in live.values():
+                at_peak[cat] = at_peak.get(cat, 0) + nbytes
+    return peak, at_peak
+
+
+def _events(seed: int, n: int) -> list[tuple]:
+    import random
+
+    rng = random.Random(seed)
+    cats = ("param", "grad", "optim", "activation", "comm", "other")
+    live, out = [], []
+    for i in range(n):
+        if live and rng.random() < 0.45:
+            out.append(("free", live.pop(rng.randrange(len(live)))))
+        else:
+            name = f"t{i}"
+            out.append(
+                ("alloc", name, rng.choice((0, 4, 64, 4096, 1 << 20)) * rng.randint(1, 9), rng.choice(cats))
+            )
+            live.append(name)
+    return out
+
+
+def check_peak_memory(fn: Callable[[list], tuple]) -> None:
+    """`fn(events)` -> (peak, by_category): replay allocations ("alloc", name, nbytes, category) and frees
+    ("free", name) in order; `peak` is the largest total of live bytes, `by_category` the live bytes per
+    category at the first moment that total was reached (categories with no live bytes left out)."""
+    require_callable(fn)
+    fn = guarded(fn, {**FORBIDDEN, **family("parallel_lab.runtime.memory")}, "this exercise (peak_memory)")
+    cases = [
+        ("empty trace", []),
+        ("one tensor", [("alloc", "w", 64, "param")]),
+        ("a temporary makes the peak", [("alloc", "w", 64, "param"), ("alloc", "tmp", 100, "other"),
+                                        ("free", "tmp"), ("alloc", "g", 64, "grad")]),
+        ("the same peak twice: the first counts", [("alloc", "a", 10, "activation"), ("free", "a"),
+                                                   ("alloc", "b", 10, "comm")]),
+        ("zero-byte tensors", [("alloc", "e", 0, "other"), ("alloc", "w", 8, "param"), ("free", "e")]),
+    ] + [(f"random trace {s}", _events(s, 400)) for s in range(4)]  # fmt: skip
+    for label, events in cases:
+        want = _reference_peak(events)
+        got = fn(list(events))
+        assert isinstance(got, tuple) and len(got) == 2, (
+            f"{label}: return (peak, by_category), got {got!r:.80}"
+        )
+        peak, cats = got
+        assert peak == want[0], f"{label}: peak {peak:,} bytes, expected {want[0]:,}"
+        cats = {k: v for k, v in dict(cats).items() if v}
+        assert cats == want[1], f"{label}: at the peak you have {cats}, expected {want[1]}"
+    passed("check_peak_memory", f"{len(cases)} allocation traces replayed")

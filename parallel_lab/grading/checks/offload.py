@@ -20,7 +20,7 @@ from parallel_lab.grading.checks import family, guarded, passed, require_callabl
 
 FORBIDDEN = family("parallel_lab.offload.host_optimizer", "parallel_lab.offload.streaming")
 
-__all__ = ["check_offloaded_step"]
+__all__ = ["check_offload_bytes", "check_offloaded_step"]
 
 _SHAPES = ((7, 5), (5,), (3, 7), (11,))  # 35 + 5 + 21 + 11 = 72 parameters
 _STEPS = 3
@@ -95,3 +95,54 @@ def check_offloaded_step(fn: Callable) -> None:
             "masters to bf16 on the host, then to_device(...) them"
         )
     passed("check_offloaded_step", f"{_STEPS} steps, {n} parameters, 2 bytes per parameter each way")
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+_SMALL = dict(
+    vocab=35, seq_len=8, d_model=16, n_heads=2, n_layers=2
+)  # 7,280 parameters: 3 does not divide it
+
+
+def _measure_offload(ctx) -> dict:
+    """One ZeRO-Offload step (mixed precision) of a small GPT: bytes that crossed, bytes the host holds."""
+    from parallel_lab.models import GPTConfig, build_model, compute_loss, synthetic_batch
+    from parallel_lab.offload import ZeroOffload
+
+    model = build_model(GPTConfig(**_SMALL), seed=0, device=ctx.device)
+    zero = ZeroOffload(ctx, model, optimizer="adam", precision="mixed", lr=1e-2)
+    x, y = synthetic_batch("tokens", 1, seq_len=_SMALL["seq_len"], vocab=_SMALL["vocab"], seed=1 + ctx.rank,
+                           device=ctx.device)  # fmt: skip
+    compute_loss(model, x, y).backward()
+    zero.step()
+    zero.zero_grad()
+    host = zero.host.tracker.snapshot() if zero.host.tracker is not None else {}
+    return {"numel": zero.layout.numel, **zero.transfer_bytes,
+            "host": sum(host.get(k, 0) for k in ("param", "grad", "optim"))}  # fmt: skip
+
+
+def check_offload_bytes(fn: Callable) -> None:
+    """`fn(numel, world_size)` -> {"d2h", "h2d", "host"}: per rank and step of ZeRO-Offload in mixed
+    precision (16-bit weights on the device, Adam in fp32 on the host), the bytes sent to the host, the
+    bytes sent back, and the model-state bytes the host keeps; predicted, then measured (exactly)."""
+    require_callable(fn)
+    fn = guarded(fn, FORBIDDEN, "this exercise (offload_bytes)")
+    from parallel_lab.runtime.launch import launch
+
+    cases = 0
+    for p in (1, 2, 3):
+        for r, got in enumerate(launch(_measure_offload, p, track_memory=True, timeout=60.0).values):
+            said = fn(got["numel"], p)
+            where = f"numel={got['numel']:,}, world_size={p}, rank {r}"
+            assert isinstance(said, dict) and all(k in said for k in ("d2h", "h2d", "host")), (
+                f"{where}: return a dict with 'd2h', 'h2d' and 'host' bytes, got {said!r:.80}"
+            )
+            for k, what in (
+                ("d2h", "sent to the host"),
+                ("h2d", "sent back to the device"),
+                ("host", "kept on the host"),
+            ):
+                assert said[k] == got[k], (
+                    f"{where}: you predict {said[k]:,} bytes {what}, measured {got[k]:,}"
+                )
+            cases += 1
+    passed("check_offload_bytes", f"{cases} ranks on 1, 2 and 3 ranks measured as predicted")

@@ -27,7 +27,7 @@ FORBIDDEN = {
     "torch.ao.quantization.quantize_dynamic": "",
 }
 
-__all__ = ["check_int8_matmul", "check_quantize_absmax"]
+__all__ = ["check_error_bound", "check_int8_matmul", "check_quantize_absmax"]
 
 _SMALL_X = [[1.2, -0.5, -3.1, 0.8], [0.0, 2.4, -1.7, 0.3], [-0.9, 1.5, 2.0, -2.6]]
 
@@ -172,3 +172,34 @@ def check_int8_matmul(int8_matmul: Callable) -> None:
                 f"{want[i].item():.8g} (exact integer sum {acc[i].item()} x scales).{hint}"
             )
     passed("check_int8_matmul", f"{len(cases)} cases equal the exact integer reference")
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+def check_error_bound(fn: Callable[[float], float]) -> None:
+    """`fn(absmax)` -> the largest error |x - dequantize(quantize(x))| absmax int8 quantization can make
+    on a tensor whose largest magnitude is `absmax`; predicted, then measured on dense tensors, where
+    the error comes within 1% of the bound: the prediction must hold and be no more than 2% loose."""
+    require_callable(fn)
+    from parallel_lab.quantization import dequantize, quantize_absmax
+
+    cases = 0
+    for seed, absmax in enumerate((3.1, 1.0, 0.02, 250.0)):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.rand(200_000, generator=g) * 2 - 1) * absmax
+        x[0] = absmax  # the largest magnitude, exactly
+        q, scale = quantize_absmax(x)
+        measured = (x - dequantize(q, scale)).abs().max().item()
+        said = guarded(fn, FORBIDDEN, "this exercise (error_bound)")(absmax)
+        assert isinstance(said, (int, float)) and not isinstance(said, bool), (
+            f"error_bound({absmax}) must return a number, got {type(said).__name__}"
+        )
+        assert said >= measured * (1 - 1e-4), (  # float32 rounding of x / s adds a few ulps
+            f"absmax {absmax}: you predict errors up to {said:.6g}, but quantizing made an error of {measured:.6g}"
+        )
+        assert said <= measured * 1.02, (
+            f"absmax {absmax}: you predict errors up to {said:.6g}; the largest measured on 200,000 dense values is "
+            f"{measured:.6g}, so your bound is {said / measured:.2f}x loose (round to nearest: how far can x be from "
+            "the nearest level?)"
+        )
+        cases += 1
+    passed("check_error_bound", f"{cases} bounds hold and are tight on dense tensors")

@@ -28,7 +28,7 @@ from parallel_lab.grading.checks import (
     require_callable,
 )
 
-__all__ = ["check_zero1_step", "check_zero3_hooks"]
+__all__ = ["check_zero1_step", "check_zero3_hooks", "check_zero_state_bytes"]
 
 WORLD_SIZES = (1, 2, 3, 4)
 # The lab's ZeRO and torch's sharded optimizers, switched off on the ranks while a check runs
@@ -239,3 +239,56 @@ def check_zero3_hooks(fn: Callable) -> None:
             f"world_size={p}: ranks computed different outputs"
         )
     passed("check_zero3_hooks", "3 layers on 1-4 ranks, output bit-exact, one layer gathered at a time")
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+_SMALL = dict(
+    vocab=35, seq_len=8, d_model=16, n_heads=2, n_layers=2
+)  # 7,280 parameters: 3 does not divide it
+
+
+def _measure_state_bytes(ctx, stage: int) -> dict:
+    """One ZeRO training step of a small GPT under the memory tracker; the model states it leaves."""
+    from parallel_lab.models import GPTConfig, build_model, compute_loss, synthetic_batch
+    from parallel_lab.zero import ZeRO
+
+    model = build_model(GPTConfig(**_SMALL), seed=0, device=ctx.device)
+    zero = ZeRO(ctx, model, stage=stage, optimizer="adam", precision="fp32", lr=1e-2)
+    x, y = synthetic_batch("tokens", 1, seq_len=_SMALL["seq_len"], vocab=_SMALL["vocab"], seed=1 + ctx.rank,
+                           device=ctx.device)  # fmt: skip
+    compute_loss(model, x, y).backward()
+    zero.step()
+    zero.zero_grad()
+    live = ctx.memory.snapshot()
+    return {"numel": zero.layout.numel, **{k: live[k] for k in ("param", "grad", "optim")}}
+
+
+def check_zero_state_bytes(fn: Callable) -> None:
+    """`fn(numel, world_size, stage)` -> {"param", "grad", "optim"}: the bytes one rank keeps after a
+    step of fp32 Adam under ZeRO stage 0-3, predicted, then compared with the memory tracker's count
+    of a real run on 2 and 3 ranks (exactly)."""
+    require_callable(fn)
+    fn = guarded(fn, {**FORBIDDEN, **family("parallel_lab.zero.meta", "parallel_lab.zero.layout")},
+                 "this exercise (zero_state_bytes)")  # fmt: skip
+    cases = 0
+    for p in (2, 3):
+        for stage in range(4):
+            try:
+                res = launch_learner(_measure_state_bytes, p, stage, track_memory=True, timeout=60.0)
+            except Exception as e:
+                _fail(e, f"stage {stage} on {p} ranks", 60.0)
+            got = res.values[0]
+            said = fn(got["numel"], p, stage)
+            where = f"numel={got['numel']:,}, world_size={p}, stage={stage}"
+            assert isinstance(said, dict) and all(k in said for k in ("param", "grad", "optim")), (
+                f"{where}: return a dict with 'param', 'grad' and 'optim' bytes, got {said!r:.80}"
+            )
+            for k in ("param", "grad", "optim"):
+                hint = ""
+                if stage in (1, 2) and k == "param" and said[k] == 4 * got["numel"]:
+                    hint = " (the flat buffer is padded so that it splits into equal shards)"
+                assert said[k] == got[k], (
+                    f"{where}: you predict {said[k]:,} bytes of {k} on a rank, the tracker measured {got[k]:,}{hint}"
+                )
+            cases += 1
+    passed("check_zero_state_bytes", f"{cases} runs (stages 0-3 on 2 and 3 ranks) measured as predicted")

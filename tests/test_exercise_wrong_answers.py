@@ -80,11 +80,17 @@ def all_to_all(ctx, tensors, group=None):
 ''', "switched off"),
     ("01", "check_all_to_all", "wraps the lab's", P + "def all_to_all(ctx, tensors, group=None):\n    return comms.all_to_all(ctx, tensors)\n", "switched off"),
     ("01", "check_all_to_all", "pieces in the wrong rank order", edit("01", "all_to_all", "return out", "return out[::-1]"), "wrong element"),
+    ("01", "check_ring_bytes", "the average for every rank", "def ring_bytes(n, p, rank, itemsize):\n    return 2 * (p - 1) * n * itemsize / p\n", "is the average"),
+    ("01", "check_ring_bytes", "wrong neighbour's chunk", edit("01", "ring_bytes", "c[(rank + 1) % p]", "c[(rank - 1) % p]"), "the ring sent"),
+    ("01", "check_ring_bytes", "reads the lab's formula", "from parallel_lab.comms import cost\ndef ring_bytes(n, p, rank, itemsize):\n    return cost.ring_bytes_per_rank(n, p, itemsize, 'all_reduce')[rank][0]\n", "switched off"),
     # ---- 02 memory
     ("02", "check_memory_calculator", "wraps the lab's formula",
      "from parallel_lab.costmodel import model_state_bytes\ndef memory_calculator(n, optimizer, precision):\n    return model_state_bytes(n, 1, 0, optimizer, precision)\n", "switched off"),
     ("02", "check_memory_calculator", "forgets the fp32 master copy", edit("02", "memory_calculator", "4 + 4 * n_states", "4 * n_states"), "optim"),
     ("02", "check_memory_calculator", "Adam with one state", edit("02", "memory_calculator", '"adam": 2', '"adam": 1'), "optim"),
+    ("02", "check_peak_memory", "the peak of the last state, not the first", edit("02", "peak_memory", "if total > peak:", "if total >= peak and total:"), "at the peak"),
+    ("02", "check_peak_memory", "never subtracts frees", edit("02", "peak_memory", "total -= live.pop(ev[1])[0]", "live.pop(ev[1])"), "peak"),
+    ("02", "check_peak_memory", "wraps the lab's tracker", "from parallel_lab.runtime.memory import MemoryTracker\ndef peak_memory(events):\n    MemoryTracker()._add(None, 0, 0, 'other')\n", "switched off"),
     # ---- 03 data parallel
     ("03", "check_average_gradients", "sums instead of averaging", edit("03", "average_gradients", "p.grad.div_(ctx.world_size)", "pass"), "divide by world_size"),
     ("03", "check_average_gradients", "wraps the lab's AllReduceDP", P + '''
@@ -97,6 +103,8 @@ def average_gradients(ctx, model):
     ("03", "check_assign_buckets", "closes a bucket one parameter late", edit("03", "assign_buckets", "if size >= bucket_bytes:", "if size > bucket_bytes:"), "bucket"),
     ("03", "check_ddp_grad_hook", "forgets to divide", edit("03", "ddp_grad_hook", "param.grad.div_(ctx.world_size)", "pass"), "divide by world_size"),
     ("03", "check_ddp_grad_hook", "waits at once (no pending work)", edit("03", "ddp_grad_hook", "pending.append(dist.all_reduce(param.grad, async_op=True))", "dist.all_reduce(param.grad)"), "exactly one pending"),
+    ("03", "check_ddp_bytes", "the average for every rank", "def ddp_bytes(b, p, rank, itemsize):\n    return 2 * (p - 1) * sum(b) * itemsize / p\n", "is the average"),
+    ("03", "check_ddp_bytes", "one all-reduce of everything", "from parallel_lab import comms\ndef ddp_bytes(b, p, rank, itemsize):\n    n = sum(b); c = comms.chunk_sizes(n, p)\n    return (2 * n - c[rank] - c[(rank + 1) % p]) * itemsize\n", "the rank sent"),
     # ---- 04 ZeRO
     ("04", "check_zero1_step", "forgets to average", edit("04", "zero1_step", "shard.grad = grad / ctx.world_size", "shard.grad = grad"), "differ"),
     ("04", "check_zero1_step", "wraps the lab's ZeRO", P + '''
@@ -105,9 +113,14 @@ def zero1_step(ctx, flat_param, flat_grad, shard, optimizer):
     zo.ZeroOptimizer.step(None)
 ''', "switched off"),
     ("04", "check_zero3_hooks", "keeps the gathered weights", edit("04", "zero3_hooks", "p.data = torch.empty(0)", "pass"), "free"),
+    ("04", "check_zero_state_bytes", "no padding", edit("04", "zero_state_bytes", "full = world_size * S", "full = numel"), "padded"),
+    ("04", "check_zero_state_bytes", "stage 2 keeps full gradients", edit("04", "zero_state_bytes", "S if stage >= 2 else full", "S if stage >= 3 else full"), "grad"),
+    ("04", "check_zero_state_bytes", "the lab's formula", "from parallel_lab.zero import meta\ndef zero_state_bytes(numel, n, stage):\n    return meta.expected_state_bytes(None, stage)\n", "switched off"),
     # ---- 05 offload
     ("05", "check_offloaded_step", "updates in 16 bits on the host", edit("05", "offloaded_step", "master.grad = to_host(p.grad).float()", "master.grad = to_host(p.grad).float().half().float() * 0"), "differ"),
     ("05", "check_offloaded_step", "sends fp32 weights up", edit("05", "offloaded_step", "to_device(master.detach().to(p.dtype))", "to_device(master.detach()).to(p.dtype)"), "bytes"),
+    ("05", "check_offload_bytes", "sends fp32 each way", edit("05", "offload_bytes", '"d2h": 2 * S, "h2d": 2 * S', '"d2h": 4 * S, "h2d": 4 * S'), "sent to the host"),
+    ("05", "check_offload_bytes", "no shard rounding", edit("05", "offload_bytes", "S = -(-numel // world_size)", "S = numel // world_size"), "measured"),
     # ---- 06 mixed precision
     ("06", "check_update_scale", "keeps the growth tracker on overflow", edit("06", "update_scale", "return scale * backoff_factor, 0", "return scale * backoff_factor, growth_tracker"), "restarts at 0"),
     ("06", "check_update_scale", "wraps torch's kernel", '''
@@ -119,6 +132,8 @@ def update_scale(scale, tracker, found_inf, growth, backoff, interval):
 ''', "switched off"),
     ("06", "check_master_weight_step", "does not unscale", edit("06", "master_weight_step", "p.grad.float() / scale", "p.grad.float()"), "divide the gradient"),
     ("06", "check_master_weight_step", "steps on overflow", edit("06", "master_weight_step", "return False\n    optimizer.step()", "pass\n    optimizer.step()"), "must be skipped"),
+    ("06", "check_smallest_update", "a whole gap", edit("06", "smallest_update", "- mantissa) / 2", "- mantissa)"), "spacing"),
+    ("06", "check_smallest_update", "fp16's smallest normal", "def smallest_update(weight, dtype):\n    return 2.0 ** -14\n", "spacing"),
     # ---- 07 checkpointing
     ("07", "check_recompute", "wraps torch.utils.checkpoint", '''
 import torch
@@ -132,6 +147,8 @@ class Recompute(torch.autograd.Function):
     ("07", "check_checkpoint_sequential", "wraps the lab's", "from parallel_lab.checkpointing import checkpoint_sequential as ours\n"
      "def checkpoint_sequential(blocks, segments, x):\n    return ours(blocks, segments, x, checkpoint_last=True)\n", "switched off"),
     ("07", "check_checkpoint_sequential", "drops the remainder blocks", edit("07", "checkpoint_sequential", "size = q + (1 if k < r else 0)", "size = q"), "should run twice"),
+    ("07", "check_peak_saved", "counts the recomputed segment's input twice", edit("07", "peak_saved", "j + size * linears", "j + 1 + size * linears"), "autograd held"),
+    ("07", "check_peak_saved", "the after-forward count", "def peak_saved(layers, linears, segments):\n    return segments\n", "autograd held"),
     # ---- 08 tensor parallel
     ("08", "check_row_parallel_linear", "adds the bias on every rank before the sum", edit("08", "RowParallelLinearFn", "        y = x @ weight.t()  # (..., out): a partial sum\n        comms.dist_all_reduce(ctx, y, group=group)  # the full product on every rank\n        return y + bias",
      "        y = x @ weight.t() + bias\n        comms.dist_all_reduce(ctx, y, group=group)\n        return y"), "differs"),
@@ -140,6 +157,9 @@ from parallel_lab.tensor_parallel import operators as ops
 class CopyToTP(torch.autograd.Function):
     apply = staticmethod(lambda x, ctx, group=None: ops.copy_to_tp_region(x, ctx, group))
 ''', "switched off"),
+    ("08", "check_block_bytes", "two all-reduces, not four", edit("08", "block_bytes", "return 4 * (", "return 2 * ("), "the rank sent"),
+    ("08", "check_block_bytes", "elements, not bytes", edit("08", "block_bytes", "c[(rank + 1) % p]) * itemsize", "c[(rank + 1) % p])"), "the rank sent"),
+    ("08", "check_block_bytes", "the lab's formula", "from parallel_lab.tensor_parallel import tp_comm_bytes_per_layer as f\ndef block_bytes(b, s, h, p, rank, itemsize):\n    return f(b, s, h, p, itemsize)\n", "switched off"),
     # ---- 09 pipeline
     ("09", "check_one_f_one_b", "wraps the lab's", "from parallel_lab.pipeline import order_1f1b\ndef one_f_one_b(stage, stages, m):\n    return order_1f1b(stage, stages, m)\n", "switched off"),
     ("09", "check_one_f_one_b", "GPipe instead", "def one_f_one_b(stage, stages, m):\n    return [('F', i) for i in range(m)] + [('B', i) for i in range(m)]\n", "warms up with min"),
@@ -164,6 +184,9 @@ def route_top_k(probs, k, capacity):
     return routing.assign_slots(probs, k, capacity)
 ''', "switched off"),
     ("11", "check_dispatch_combine", "forgets the gate", edit("11", "dispatch_combine", "expert_gates[e, m, None] * back[e, m]", "back[e, m]"), "differs"),
+    ("11", "check_padded_dispatch_bytes", "its own experts travel too", edit("11", "padded_dispatch_bytes", "(p - 1) * (experts // p)", "p * (experts // p)"), "the dispatch sent"),
+    ("11", "check_padded_dispatch_bytes", "capacity rounded down", edit("11", "padded_dispatch_bytes", "C = math.ceil(", "C = math.floor("), "the dispatch sent"),
+    ("11", "check_padded_dispatch_bytes", "the lab's capacity", "from parallel_lab.moe import expert_capacity\ndef padded_dispatch_bytes(n, E, k, f, d, p, i):\n    return (p - 1) * (E // p) * expert_capacity(n, E, f, k) * d * i\n", "switched off"),
     # ---- 12 quantization
     ("12", "check_quantize_absmax", "truncates", edit("12", "quantize", "torch.round(", "torch.trunc("), "wrong int8 value"),
     ("12", "check_quantize_absmax", "wraps torch", '''
@@ -174,6 +197,8 @@ def quantize(x):
 ''', "switched off"),
     ("12", "check_int8_matmul", "accumulates in int8", edit("12", "int8_matmul", "qa.to(torch.int32) @ qb.to(torch.int32)", "(qa.to(torch.int32) @ qb.to(torch.int32)).to(torch.int8).to(torch.int32)"), "wrong value"),
     ("12", "check_int8_matmul", "wraps the lab's", "from parallel_lab.quantization import int8_matmul as ours\ndef int8_matmul(qa, sa, qb, sb):\n    return ours(qa, sa, qb, sb)\n", "switched off"),
+    ("12", "check_error_bound", "a whole step", "def error_bound(absmax):\n    return absmax / 127\n", "loose"),
+    ("12", "check_error_bound", "255 levels of 256", "def error_bound(absmax):\n    return absmax / 255 / 2\n", "quantizing made an error"),
 ]  # fmt: skip
 
 

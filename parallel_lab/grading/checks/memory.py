@@ -109,7 +109,8 @@ def _reference_peak(events: list[tuple]) -> tuple[int, dict]:
             peak = total
             at_peak = {}
             for nbytes, cat in live.values():
-                at_peak[cat] = at_peak.get(cat, 0) + nbytes
+                if nbytes:
+                    at_peak[cat] = at_peak.get(cat, 0) + nbytes
     return peak, at_peak
 
 

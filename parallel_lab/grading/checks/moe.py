@@ -34,7 +34,7 @@ from parallel_lab.grading.checks import (
 # (parallel_lab.comms' all-to-all stays: the exercise is built from it).
 FORBIDDEN = family("parallel_lab.moe.routing", "parallel_lab.moe.expert_parallel")
 
-__all__ = ["check_dispatch_combine", "check_top_k_router"]
+__all__ = ["check_dispatch_combine", "check_padded_dispatch_bytes", "check_top_k_router"]
 
 
 def _reference_slots(probs: torch.Tensor, k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,3 +219,48 @@ def check_dispatch_combine(dispatch_combine: Callable) -> None:
             raise
         total += res.values[0]
     passed("check_dispatch_combine", f"{total} cases on 1, 2 and 4 ranks")
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+_PADDED = ((64, 8, 1, 1.25, 16), (40, 4, 2, 1.0, 8), (30, 8, 1, 2.0, 12))  # tokens per rank, E, k, factor, d
+
+
+def _measure_padded(ctx, cases: tuple) -> list[int]:
+    """Bytes this rank sends in the padded dispatch all-to-all of the lab's expert-parallel layer."""
+    from parallel_lab.moe import ExpertParallelMoE, MoEConfig, build_moe
+
+    out = []
+    for n, E, k, factor, d in cases:
+        layer = ExpertParallelMoE(
+            ctx, build_moe(MoEConfig(d, 2 * d, E, k, factor), seed=0).to(ctx.device), "padded"
+        )
+        x = torch.randn(n, d, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
+        before = ctx.recorder.comm.get("moe_dispatch", {}).get("sent", 0)
+        layer(x, seed=0)
+        out.append(ctx.recorder.comm["moe_dispatch"]["sent"] - before)
+    return out
+
+
+def check_padded_dispatch_bytes(fn: Callable) -> None:
+    """`fn(tokens, experts, k, capacity_factor, d, p, itemsize)` -> bytes one rank sends in the padded
+    dispatch all-to-all (every expert's C slots travel, empty ones too; C from the capacity factor, per
+    rank's tokens); predicted, then compared with the byte counter of real runs on 2 and 4 ranks (exactly)."""
+    require_callable(fn)
+    fn = guarded(fn, FORBIDDEN, "this exercise (padded_dispatch_bytes)")
+    cases = 0
+    for p in (2, 4):
+        try:
+            res = launch_learner(_measure_padded, p, _PADDED, timeout=60.0)
+        except Exception as e:
+            if getattr(e, "exc_type", None) in ("AssertionError", "WriteItYourself"):
+                raise rank_verdict(e) from None
+            raise
+        for r, sent in enumerate(res.values):
+            for (n, E, k, factor, d), got in zip(_PADDED, sent):
+                said = fn(n, E, k, factor, d, p, 4)
+                assert said == got, (
+                    f"{n} tokens per rank, {E} experts, top-{k}, capacity factor {factor}, d={d} on {p} ranks, rank {r}: "
+                    f"you predict {said} bytes, the dispatch sent {got}"
+                )
+                cases += 1
+    passed("check_padded_dispatch_bytes", f"{cases} predictions equal the bytes measured on 2 and 4 ranks")

@@ -21,7 +21,7 @@ FORBIDDEN = {
     "torch._amp_foreach_non_finite_check_and_unscale_": "",
 }
 
-__all__ = ["check_master_weight_step", "check_update_scale"]
+__all__ = ["check_master_weight_step", "check_update_scale", "check_smallest_update"]
 
 #: (init scale, growth factor, backoff factor, growth interval)
 _SETTINGS = ((2.0**16, 2.0, 0.5, 3), (1.0, 2.0, 0.5, 1), (1024.0, 4.0, 0.25, 2), (7.0, 1.5, 0.3, 5))
@@ -141,3 +141,43 @@ def check_master_weight_step(fn: Callable[..., bool]) -> None:
         "check_master_weight_step",
         f"{cases} steps (fp16/bf16, SGD/Adam, 2 overflows skipped) match the recipe",
     )
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _smallest_surviving(weight: float, dtype: torch.dtype) -> float:
+    """Bisection on the update u: the smallest u > 0 for which weight + u != weight, both in `dtype`."""
+    w = torch.tensor(weight, dtype=dtype)
+
+    def survives(u: float) -> bool:
+        return bool((w + torch.tensor(u, dtype=dtype)) != w)
+
+    lo, hi = 1e-30, abs(weight)
+    assert survives(hi) and not survives(lo)
+    for _ in range(200):
+        mid = (lo * hi) ** 0.5 if hi / lo > 4 else (lo + hi) / 2
+        lo, hi = (lo, mid) if survives(mid) else (mid, hi)
+    return hi
+
+
+def check_smallest_update(fn: Callable[[float, str], float]) -> None:
+    """`fn(weight, dtype)` -> the smallest positive update that still changes `weight` when both are
+    in `dtype` ("fp16" or "bf16") and added there; predicted, then found by bisection on real 16-bit
+    additions (within 1%)."""
+    require_callable(fn)
+    fn = guarded(fn, FORBIDDEN, "this exercise (smallest_update)")
+    cases = [(1.0, "fp16"), (1.0, "bf16"), (3.0, "fp16"), (0.1, "fp16"), (2.0, "fp16"), (1000.0, "bf16"),
+             (0.75, "bf16"), (60000.0, "fp16")]  # fmt: skip
+    for weight, name in cases:
+        measured = _smallest_surviving(weight, _DTYPES[name])
+        said = fn(weight, name)
+        assert isinstance(said, (int, float)) and not isinstance(said, bool) and said > 0, (
+            f"smallest_update({weight}, {name!r}) must return a positive number, got {said!r}"
+        )
+        assert abs(said - measured) <= 0.01 * measured, (
+            f"weight {weight} in {name}: you predict updates from {said:.6g} on change it; measured: {measured:.6g} "
+            f"({said / measured:.3g}x). The spacing of {name} numbers next to the weight decides it"
+        )
+    passed("check_smallest_update", f"{len(cases)} thresholds predicted within 1%")

@@ -28,7 +28,7 @@ from parallel_lab.grading.checks import (
     require_callable,
 )
 
-__all__ = ["check_column_parallel_linear", "check_f_and_g", "check_row_parallel_linear"]
+__all__ = ["check_block_bytes", "check_column_parallel_linear", "check_f_and_g", "check_row_parallel_linear"]
 
 WORLD_SIZES = (1, 2, 4)
 # The lab's tensor-parallel layers and operators and torch's DTensor styles, switched off on the
@@ -220,3 +220,50 @@ def check_f_and_g(f: Any, g: Any) -> None:
     """`f.apply(x, ctx, group)`: identity / all-reduce; `g.apply(x, ctx, group)`: all-reduce / identity."""
     _run(_fg_rank, "f and g", f, g)
     passed("check_f_and_g", "f, g and a Megatron MLP built from them on 1, 2 and 4 ranks")
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+_SHAPES = ((2, 8, 16), (3, 5, 12), (1, 12, 24))  # (batch, seq, hidden): b*s*h not always divisible by p
+
+
+def _measure_block_bytes(ctx, shapes: tuple, sequence_parallel: bool) -> list[int]:
+    """Bytes this rank sends in one ParallelBlock forward + backward (ring collectives), per shape."""
+    from parallel_lab.models import GPTConfig, build_model
+    from parallel_lab.tensor_parallel import ParallelBlock, split
+
+    out = []
+    for b, s, h in shapes:
+        cfg = GPTConfig(vocab=16, seq_len=s, d_model=h, n_heads=ctx.world_size, n_layers=1)
+        block = ParallelBlock.from_block(ctx, build_model(cfg, 0).blocks[0], sequence_parallel=sequence_parallel,
+                                         impl="ring")  # fmt: skip
+        x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(1)).to(ctx.device)
+        if sequence_parallel:
+            x = split(ctx, x, 1)  # (B, T/tp, C): this rank's tokens
+        x.requires_grad_()
+        before = ctx.recorder.comm_totals()["sent"]
+        block(x).sum().backward()
+        out.append(ctx.recorder.comm_totals()["sent"] - before)
+    return out
+
+
+def check_block_bytes(fn: Callable) -> None:
+    """`fn(b, s, h, p, rank, itemsize)` -> bytes `rank` sends in one transformer block's forward + backward
+    under tensor parallelism on p ranks (ring collectives, chunks from comms.chunk_sizes); predicted, then
+    compared with the byte counter of real runs, with and without sequence parallelism (exactly)."""
+    require_callable(fn)
+    fn = guarded(fn, {**FORBIDDEN, "parallel_lab.tensor_parallel.transformer.tp_comm_bytes_per_layer": "",
+                      "parallel_lab.comms.cost.ring_bytes_per_rank": ""}, "this exercise (block_bytes)")  # fmt: skip
+    cases = 0
+    for p in (2, 4):
+        for sp in (False, True):
+            shapes = tuple(sh for sh in _SHAPES if not sp or sh[1] % p == 0)
+            res = launch_learner(_measure_block_bytes, p, shapes, sp, timeout=60.0)
+            for r, sent in enumerate(res.values):
+                for (b, s, h), got in zip(shapes, sent):
+                    said = fn(b, s, h, p, r, 4)
+                    where = f"b={b}, s={s}, h={h} on p={p} ranks ({'with' if sp else 'without'} sequence parallelism), rank {r}"
+                    assert said == got, f"{where}: you predict {said} bytes, the rank sent {got}"
+                    cases += 1
+    passed(
+        "check_block_bytes", f"{cases} predictions equal the bytes measured (TP and TP + SP, 2 and 4 ranks)"
+    )

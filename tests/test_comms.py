@@ -551,7 +551,7 @@ def _learner_ring_all_reduce(ctx, tensor, group=None):
 
 
 def _learner_all_gather_raw(ctx, tensor, group=None):
-    """Raw torch.distributed point-to-point is fine too."""
+    """Raw torch.distributed point-to-point: right, but its bytes are not traced."""
     p, r = ctx.world_size, ctx.rank
     out = torch.empty((p, *tensor.shape), dtype=tensor.dtype)
     out[r] = tensor
@@ -576,22 +576,17 @@ def test_checks_pass_a_right_answer(capsys):
     from parallel_lab.grading.checks import collectives as K
 
     K.check_ring_all_reduce(_learner_ring_all_reduce)
-    K.check_ring_all_gather(_learner_all_gather_raw)
     K.check_all_to_all(_learner_all_to_all)
-    # the lab's own from-scratch versions pass too (the tour grades ring_all_reduce)
-    K.check_ring_all_reduce(C.ring_all_reduce)
-    K.check_ring_all_gather(C.ring_all_gather)
-    K.check_all_to_all(C.all_to_all)
     lines = capsys.readouterr().out.splitlines()
-    assert (
-        lines
-        == [
-            "check_ring_all_reduce passed: all 24 cases",
-            "check_ring_all_gather passed: all 24 cases",
-            "check_all_to_all passed: all 24 cases",
-        ]
-        * 2
-    )
+    assert lines == ["check_ring_all_reduce passed: all 24 cases", "check_all_to_all passed: all 24 cases"]
+    # raw torch.distributed messages are not traced: the check cannot count them, and says so
+    with pytest.raises(AssertionError, match="sent nothing through parallel_lab.comms"):
+        K.check_ring_all_gather(_learner_all_gather_raw)
+    # the lab's own versions are switched off while a check runs
+    for check, ours in ((K.check_ring_all_reduce, C.ring_all_reduce), (K.check_ring_all_gather, C.ring_all_gather),
+                        (K.check_all_to_all, C.all_to_all)):  # fmt: skip
+        with pytest.raises(AssertionError, match="is switched off while the check runs"):
+            check(ours)
 
 
 def _off_by_rank(ctx, tensor, group=None):
@@ -621,9 +616,9 @@ def test_checks_reject_wrong_answers():
 
     with pytest.raises(AssertionError, match=r"world_size=3, numel=1, dtype=float32, rank 2: max abs diff 1"):
         K.check_ring_all_reduce(_off_by_rank)
-    with pytest.raises(AssertionError, match=r"called torch.distributed.all_reduce"):
+    with pytest.raises(AssertionError, match=r"all_reduce is switched off while the check runs"):
         K.check_ring_all_reduce(_uses_builtin)
-    with pytest.raises(AssertionError, match=r"called torch.distributed.all_reduce"):
+    with pytest.raises(AssertionError, match=r"all_reduce is switched off while the check runs"):
         K.check_ring_all_reduce(_uses_traced_builtin)
     with pytest.raises(NotImplementedError):
         K.check_ring_all_reduce(_todo)

@@ -7,11 +7,16 @@ see comms/core.py's docstring for the chunking convention they follow.
 from __future__ import annotations
 
 import math
+import numbers
 
 
 # ----------------------------------------------------------------------------- arithmetic
 def chunk_sizes(numel: int, world_size: int) -> list[int]:
     """Sizes of the p chunks of an n-element tensor: the first n % p get one more."""
+    if isinstance(numel, bool) or not isinstance(numel, numbers.Integral) or numel < 0:
+        raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     q, m = divmod(numel, world_size)
     return [q + (1 if k < m else 0) for k in range(world_size)]
 

@@ -48,6 +48,17 @@ def _int(name: str, v, minimum: int = 0) -> int:
     return int(v)
 
 
+def _number(name: str, v, minimum: float = 0.0, strict: bool = False) -> float:
+    """A finite real number >= minimum (> minimum when `strict`); NaN and infinity are refused."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    if v < minimum or (strict and v == minimum):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum:g}, got {v}")
+    return v
+
+
 def bytes_per_param(optimizer: str = "adam", precision: str = "mixed") -> dict[str, int]:
     """{'param', 'grad', 'optim'} bytes for one parameter (before any sharding).
 
@@ -84,7 +95,7 @@ def model_state_bytes(
     """
     psi = _int("num_params", num_params)
     n = _int("dp_size", dp_size, 1)
-    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
+    if type(zero_stage) is not int or zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
     b = bytes_per_param(optimizer, precision)
     shard = shard_numel(psi, n)
@@ -101,19 +112,13 @@ def rule_of_thumb_bytes(num_params: int, gb_per_billion: float = 6.0) -> float:
     `model_state_bytes(n, optimizer="momentum", precision="bf16")`): no fp32
     master copy, no Adam second moment, no activations.
     """
-    if (
-        isinstance(gb_per_billion, bool)
-        or not isinstance(gb_per_billion, (int, float))
-        or gb_per_billion <= 0
-    ):
-        raise ValueError(f"gb_per_billion must be a number > 0, got {gb_per_billion!r}")
+    _number("gb_per_billion", gb_per_billion, 0.0, strict=True)
     return _int("num_params", num_params) / 1e9 * gb_per_billion * GB  # = num_params * bytes/param
 
 
 def allreduce_bytes_per_rank(nbytes: float, world_size: int) -> float:
     """Bytes each rank sends (and receives) in a ring all-reduce: 2(N-1)/N * S."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or nbytes < 0:
-        raise ValueError(f"nbytes must be a number >= 0, got {nbytes!r}")
+    _number("nbytes", nbytes)
     n = _int("world_size", world_size, 1)
     return 2 * (n - 1) / n * nbytes
 
@@ -195,9 +200,8 @@ def activation_bytes_megatron(seq: int, batch: int, hidden: int, heads: int, lay
 # -- compute ------------------------------------------------------------------------
 def training_flops(num_params: float, tokens: float) -> float:
     """6 * N * D: forward 2ND (one multiply-add per parameter per token) + backward 4ND."""
-    for name, v in (("num_params", num_params), ("tokens", tokens)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+    _number("num_params", num_params)
+    _number("tokens", tokens)
     return 6.0 * num_params * tokens
 
 
@@ -222,8 +226,7 @@ def arithmetic_intensity_matmul(b: int, d: int, f: int, dtype_bytes: int = 2) ->
 def roofline(intensity: float, peak_flops: float, mem_bw: float) -> float:
     """Attainable FLOP/s = min(peak, intensity * bandwidth); the ridge is peak / bandwidth."""
     for name, v in (("intensity", intensity), ("peak_flops", peak_flops), ("mem_bw", mem_bw)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        _number(name, v, 0.0, strict=True)
     return min(peak_flops, intensity * mem_bw)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parallel_lab.costmodel.formulas import model_state_bytes, tp_activation_bytes_per_layer
+from parallel_lab.costmodel.formulas import _int, _number, model_state_bytes, tp_activation_bytes_per_layer
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,12 @@ class ModelSpec:
     seq: int
     vocab: int
     tied: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq", "vocab"):
+            _int(name, getattr(self, name), 1)
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
 
     @property
     def num_params(self) -> int:
@@ -68,6 +74,14 @@ class ClusterSpec:
     intra_bw: float = 300e9  # NVLink, per direction
     inter_bw: float = 12.5e9  # 100 Gb/s per GPU
     mfu: float = 0.5  # fraction of peak the matmuls reach
+
+    def __post_init__(self) -> None:
+        _int("gpus", self.gpus, 1)
+        _int("gpus_per_node", self.gpus_per_node, 1)
+        for name in ("memory", "peak_flops", "intra_bw", "inter_bw"):
+            _number(name, getattr(self, name), 0.0, strict=True)
+        if not 0 < _number("mfu", self.mfu) <= 1:
+            raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
 
 
 #: BLOOM-176B's machine (Jean Zay): 48 nodes x 8 A100 80GB, 4 x 100 Gb/s Omni-Path per node.

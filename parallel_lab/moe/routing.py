@@ -54,7 +54,9 @@ def expert_capacity(tokens: int, experts: int, capacity_factor: float, k: int = 
 def switch_aux_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:
     """Switch's load-balancing loss E · Σ_e f_e · P_e for probs (N, E) and first choices (N,)."""
     n, e = probs.shape
-    f = torch.bincount(first_choice, minlength=e).float() / max(n, 1)  # (E,) fraction routed, no gradient
+    if n == 0:  # no tokens, nothing to balance: 0, still connected to the router's graph
+        return probs.sum() * 0.0
+    f = torch.bincount(first_choice, minlength=e).float() / n  # (E,) fraction routed, no gradient
     p = probs.mean(0)  # (E,) mean probability: the differentiable part
     return e * (f * p).sum()
 
@@ -185,6 +187,15 @@ class MoEConfig:
     k: int = 1
     capacity_factor: float = 1.25
     policy: str = "token_choice"
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "d_ff", "num_experts", "k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        cf = self.capacity_factor
+        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf <= 0:
+            raise ValueError(f"capacity_factor must be a finite number > 0, got {cf!r}")
 
 
 def combine(y: torch.Tensor, routing: Routing, expert_out: list[torch.Tensor]) -> torch.Tensor:

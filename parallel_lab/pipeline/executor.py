@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from parallel_lab import comms
 from parallel_lab.models import build_model, make_optimizer, synthetic_batch
 from parallel_lab.pipeline.schedules import make_schedule
+from parallel_lab.pipeline.simulator import validate_schedule
 from parallel_lab.pipeline.stages import PipelineConfig, reference_batches, split_layers, stage_modules
 from parallel_lab.runtime.device import bind_thread, is_cuda
 from parallel_lab.runtime.parallel_dims import ParallelDims
@@ -123,7 +124,9 @@ class PipelineRank:
         )
         if ctx.memory is not None:
             ctx.memory.register_optimizer(self.opt)
-        self.schedule = make_schedule(cfg.schedule, self.p, self.m, self.v)[self.r]
+        full = make_schedule(cfg.schedule, self.p, self.m, self.v)
+        validate_schedule(full, self.m, self.v)  # a broken list would hang or crash mid-step: refuse it first
+        self.schedule = full[self.r]
         self.last_vs = self.p * self.v - 1
         self.mail: dict[int, torch.Tensor] = {}  # messages to ourselves (p == 1)
 

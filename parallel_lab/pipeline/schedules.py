@@ -161,6 +161,11 @@ def max_in_flight(name: str, stages: int, microbatches: int = 1, chunks: int = 1
     naive 1; GPipe m; 1F1B min(p, m); interleaved min(v*m, (v-1)p + 2(p-1) + 1) chunk
     activations, each 1/v of a stage's: p + (p-1)/v stage activations on rank 0 (Korthikanti et al. 2022,
     §4.2.3), 5.5 for p = 4, v = 2."""
+    if name not in SCHEDULES:
+        raise ValueError(f"name must be one of {SCHEDULES}, got {name!r}")
+    for arg, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
     p, m, v = stages, microbatches, chunks
     return {
         "naive": 1,

@@ -176,6 +176,20 @@ def simulate(
     sent. A full pass in which no rank moves is a deadlock (ScheduleError naming where
     every rank is stuck). Bubble = 1 - busy time / (p * makespan).
     """
+    import math
+
+    if not isinstance(schedule, list) or not schedule:
+        raise ValueError("schedule must be a non-empty list with one list of steps per stage")
+    for arg, value, lo in (("t_f", t_f, 0.0), ("t_b", t_b, 0.0), ("t_comm", t_comm, 0.0)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < lo
+        ):
+            raise ValueError(f"{arg} must be a finite number >= {lo:g}, got {value!r}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
     p, v = len(schedule), chunks
     ptr, t = [0] * p, [0.0] * p
     spans: list[list] = [[] for _ in range(p)]

@@ -64,6 +64,9 @@ class PipelineConfig:
 
 def split_layers(layers: int, stages: int, chunks: int = 1) -> list[range]:
     """Layer indices of each virtual stage 0..p*v-1: equal, contiguous blocks."""
+    for arg, value in (("layers", layers), ("stages", stages), ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
     n = stages * chunks
     if layers % n:
         raise ValueError(

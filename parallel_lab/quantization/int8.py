@@ -151,6 +151,13 @@ def int8_matmul(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.
     sa is a scalar or (n, 1) (one scale per row of A), sb a scalar or (1, m) (one per
     column of B); the rescale `acc * (sa * sb)` multiplies by their outer product.
     """
+    n, m = qa.shape[0], qb.shape[-1]
+    for name, scale, ok in (("sa", sa, ((), (1,), (1, 1), (n, 1))), ("sb", sb, ((), (1,), (1, 1), (1, m)))):
+        shape = tuple(torch.as_tensor(scale).shape)
+        if shape not in ok:  # (n,) would broadcast along the wrong axis, silently when n == m
+            raise ValueError(
+                f"{name} must be a scalar or shaped {ok[-1]} (one scale per {'row of A' if name == 'sa' else 'column of B'}), got shape {shape}"
+            )
     acc = int32_matmul(qa, qb)  # (n, m) int32
     return acc.float() * (sa * sb)  # (n, m) float32
 

@@ -79,8 +79,18 @@ def run_from_env(
         backend=backend,
     )
     if trace_path:
-        result.save_chrome_trace(trace_path)
+        save_trace(result, trace_path)
     return result
+
+
+def save_trace(result: RunResult, trace_path: str) -> None:
+    """Write the trace; if that fails (a bad path), say so and keep the run: its result is still returned."""
+    try:
+        result.save_chrome_trace(trace_path)
+    except (OSError, ValueError) as e:
+        import sys
+
+        print(f"warning: {e}; the run's result is kept, only the trace is lost", file=sys.stderr, flush=True)
 
 
 def env_backend(backend: str = "auto") -> str:
@@ -136,5 +146,5 @@ def run_script(
     if "RANK" in os.environ:
         return run_from_env(fn, *args, trace_path=trace_path, track_memory=track_memory, **kwargs)
     result = launch(fn, nproc, *args, track_memory=track_memory, timeout=timeout, threads=threads, **kwargs)
-    result.save_chrome_trace(trace_path)
+    save_trace(result, trace_path)
     return result

@@ -39,6 +39,9 @@ START_METHODS = ("auto", "fork", "spawn")
 
 
 # ---------------------------------------------------------------------------- validation
+MAX_TIMEOUT = 1e6  # seconds (11.6 days): above it the ranks' timers overflow (and inf never ends)
+
+
 def _check_args(fn, world_size, timeout, backend, start_method, threads) -> None:
     if not callable(fn):
         raise TypeError(f"fn must be callable (a function taking ctx first), got {type(fn).__name__}")
@@ -46,8 +49,10 @@ def _check_args(fn, world_size, timeout, backend, start_method, threads) -> None
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
+        raise ValueError(
+            f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT:g}, got {timeout!r}"
+        )
     if backend not in mesh.BACKENDS:
         raise ValueError(f"backend must be one of {mesh.BACKENDS}, got {backend!r}")
     if start_method not in START_METHODS:
@@ -229,7 +234,8 @@ def launch(
 
         payload = cloudpickle.dumps(payload)
 
-    tmpdir = tempfile.mkdtemp(prefix="parallel_lab-")
+    _remove_stale_run_dirs()
+    tmpdir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
     store_path = os.path.join(tmpdir, "store")
     q = mpctx.Queue()
     t0 = time.perf_counter()
@@ -333,6 +339,33 @@ def launch(
         world_size=world_size,
         backend=backend,
     )
+
+
+RUN_DIR_PREFIX = "parallel_lab-"  # + parent pid + "-": the run's rendezvous folder in the temp dir
+
+
+def _remove_stale_run_dirs() -> list[str]:
+    """Delete run folders whose launching process is dead (a parent killed with SIGKILL cannot clean
+    up after itself); a live process's folders are left alone. Returns what was removed."""
+    removed = []
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(RUN_DIR_PREFIX):
+            continue
+        pid = name[len(RUN_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or someone else's: PermissionError below)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        path = os.path.join(root, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _warm_imports() -> None:

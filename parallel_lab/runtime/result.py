@@ -37,19 +37,42 @@ class RunResult:
             "memory": self.memory,
             "values": [_plain(v) for v in self.values],
         }
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(chrome_trace(self.timeline, self.memory, meta), f, default=str)
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ValueError(f"path must be the name of a file to write, got {path!r}")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(chrome_trace(self.timeline, self.memory, meta), f, default=str)
+        except OSError as e:
+            raise OSError(f"cannot write the trace to {path}: {e.strerror or e}") from None
         return path
 
     @classmethod
     def load(cls, path: str) -> RunResult:
         """Read a trace written by `save_chrome_trace` (e.g. by a torchrun script)."""
-        with open(path) as f:
-            data = json.load(f)
-        meta = data.get("parallel_lab")
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ValueError(f"path must be the name of a trace file, got {path!r}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"trace file not found: {path}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is not a JSON trace ({type(e).__name__}: {str(e)[:80]})") from None
+        except OSError as e:
+            raise OSError(f"cannot read trace file {path}: {e.strerror or e}") from None
+        meta = data.get("parallel_lab") if isinstance(data, dict) else None
         if not meta:
             raise ValueError(f"{path} is not a parallel_lab trace (no 'parallel_lab' key)")
+        missing = [
+            k
+            for k in ("timeline", "memory", "comm_bytes", "wall_time", "world_size", "backend")
+            if k not in meta
+        ]
+        if missing:
+            raise ValueError(
+                f"{path} is a parallel_lab trace without {', '.join(missing)} (written by another version?)"
+            )
         return cls(
             values=meta.get("values", []),
             timeline=meta["timeline"],

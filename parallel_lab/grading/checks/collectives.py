@@ -144,7 +144,7 @@ def _run_cases(ctx, fn: Callable, kind: str) -> int:
             raise AssertionError(f"{kind}: {where}: {e or 'an assert in your function failed'}") from e
         except Exception as e:
             raise AssertionError(f"{kind}: {where}: your function raised {type(e).__name__}: {e}") from e
-        _signature(kind, p, numel, x.element_size(), _sent(ctx) - before, where)
+        sent = _sent(ctx) - before
         if kind == "ring_all_reduce" and got is None:
             got = arg  # reduced in place, like dist.all_reduce
         if kind == "all_to_all":
@@ -158,6 +158,7 @@ def _run_cases(ctx, fn: Callable, kind: str) -> int:
             if isinstance(got, (list, tuple)) and kind == "ring_all_gather":
                 got = torch.stack(list(got)) if len(got) else torch.empty(0)
             _compare(kind, got, want, where)
+        _signature(kind, p, numel, x.element_size(), sent, where)  # the answer is right: was it this algorithm?
     return len(CASES)
 
 

@@ -324,3 +324,21 @@ def test_recorder_reset_drops_streamed_warmup():
 
     res = pl.launch(f, 2)
     assert [e["name"] for e in res.timeline] == ["measured", "measured"]
+
+
+def _tcp_addresses(ctx):
+    import psutil
+    import torch.distributed as dist
+
+    t = torch.ones(3)
+    dist.all_reduce(t)  # gloo's connections are open now
+    return sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")})
+
+
+def test_a_local_launch_listens_on_loopback_only():
+    """Every socket a rank opens (gloo's pairs) is on 127.0.0.1, whatever the hostname resolves to."""
+    from parallel_lab.runtime.launch import loopback_interface
+
+    assert loopback_interface() in ("lo", "lo0")
+    for addrs in pl.launch(_tcp_addresses, 3).values:
+        assert addrs and all(a.startswith("127.") or a == "::1" for a in addrs), addrs

@@ -348,3 +348,13 @@ def test_script_runs_and_checks(tmp_path, capsys):
     assert "expert parallel matches the single-process layer" in out
     loaded = pl.RunResult.load(str(trace))
     assert {e["name"] for e in loaded.spans(kind="comm")} >= {"moe_dispatch", "moe_combine"}
+
+
+def test_capacity_is_the_formula_even_where_floats_round_up():
+    """1.1 x 10 is 11.000000000000002 in floats: the ceiling must still be 11."""
+    from parallel_lab.moe import expert_capacity
+
+    assert expert_capacity(10, 1, 1.1) == 11
+    assert expert_capacity(100, 10, 1.1) == 11
+    assert expert_capacity(30, 3, 0.7) == 7  # 0.7 x 10 = 7.000000000000001
+    assert expert_capacity(64, 8, 1.25) == 10 and expert_capacity(7, 2, 1.0, k=2) == 7

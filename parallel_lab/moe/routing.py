@@ -28,6 +28,7 @@ identically.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,12 @@ def expert_capacity(tokens: int, experts: int, capacity_factor: float, k: int = 
             raise ValueError(
                 f"{name} must be a {'non-negative' if name == 'tokens' else 'positive'} int, got {v!r}"
             )
-    return math.ceil(k * capacity_factor * tokens / experts)
+    # Exact arithmetic on the factor as written: in floats 1.1 x 10 is 11.000000000000002, whose
+    # ceiling would give an expert one slot more than the formula says.
+    factor = (
+        Fraction(repr(capacity_factor)) if isinstance(capacity_factor, float) else Fraction(capacity_factor)
+    )
+    return math.ceil(k * factor * tokens / experts)
 
 
 def switch_aux_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,7 @@ def _worker(
         fn, args, kwargs = payload
         torch.set_num_threads(threads)
         device = mesh.device_for(backend, rank)  # under NCCL: this rank's GPU made current first
+        _loopback_only()
         store = dist.FileStore(store_path, world_size)
         # The process group waits a little longer than the parent, so the parent's
         # diagnosis (which rank is stuck where) wins over gloo's generic timeout.
@@ -339,6 +340,27 @@ def launch(
         world_size=world_size,
         backend=backend,
     )
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface ("lo" on Linux, "lo0" on macOS), or None."""
+    import socket
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _loopback_only() -> None:
+    """Every rank of a local launch is on this machine: gloo and NCCL listen on the loopback interface
+    only, never on the address the hostname resolves to (often a LAN address anyone nearby can reach).
+    A variable the user set wins."""
+    lo = loopback_interface()
+    if lo is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
 
 
 RUN_DIR_PREFIX = "parallel_lab-"  # + parent pid + "-": the run's rendezvous folder in the temp dir

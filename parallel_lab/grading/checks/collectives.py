@@ -158,7 +158,9 @@ def _run_cases(ctx, fn: Callable, kind: str) -> int:
             if isinstance(got, (list, tuple)) and kind == "ring_all_gather":
                 got = torch.stack(list(got)) if len(got) else torch.empty(0)
             _compare(kind, got, want, where)
-        _signature(kind, p, numel, x.element_size(), sent, where)  # the answer is right: was it this algorithm?
+        _signature(
+            kind, p, numel, x.element_size(), sent, where
+        )  # the answer is right: was it this algorithm?
     return len(CASES)
 
 

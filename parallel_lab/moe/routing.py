@@ -28,8 +28,8 @@ identically.
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn as nn

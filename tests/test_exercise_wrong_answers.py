@@ -150,6 +150,12 @@ class Recompute(torch.autograd.Function):
     ("07", "check_peak_saved", "counts the recomputed segment's input twice", edit("07", "peak_saved", "j + size * linears", "j + 1 + size * linears"), "autograd held"),
     ("07", "check_peak_saved", "the after-forward count", "def peak_saved(layers, linears, segments):\n    return segments\n", "autograd held"),
     # ---- 08 tensor parallel
+    ("08", "check_column_parallel_linear", "wraps the lab's layer", P + '''
+from parallel_lab.tensor_parallel import ColumnParallelLinear
+class ColumnParallelLinearFn(torch.autograd.Function):
+    apply = staticmethod(lambda x, w, b, ctx, group=None: ColumnParallelLinear.forward(None, x))
+''', "switched off"),
+    ("08", "check_column_parallel_linear", "forgets the all-reduce in backward", edit("08", "ColumnParallelLinearFn", "comms.dist_all_reduce(fctx.ctx, grad_x, group=fctx.group)", "pass"), "differs"),
     ("08", "check_row_parallel_linear", "adds the bias on every rank before the sum", edit("08", "RowParallelLinearFn", "        y = x @ weight.t()  # (..., out): a partial sum\n        comms.dist_all_reduce(ctx, y, group=group)  # the full product on every rank\n        return y + bias",
      "        y = x @ weight.t() + bias\n        comms.dist_all_reduce(ctx, y, group=group)\n        return y"), "differs"),
     ("08", "check_f_and_g", "wraps the lab's operators", P + '''

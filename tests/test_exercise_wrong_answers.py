@@ -205,6 +205,15 @@ def quantize(x):
     ("12", "check_int8_matmul", "wraps the lab's", "from parallel_lab.quantization import int8_matmul as ours\ndef int8_matmul(qa, sa, qb, sb):\n    return ours(qa, sa, qb, sb)\n", "switched off"),
     ("12", "check_error_bound", "a whole step", "def error_bound(absmax):\n    return absmax / 127\n", "loose"),
     ("12", "check_error_bound", "255 levels of 256", "def error_bound(absmax):\n    return absmax / 255 / 2\n", "quantizing made an error"),
+    ("03", "check_ddp_grad_hook", "wraps the lab's BucketedDDP hook", "from parallel_lab.data_parallel.ddp import BucketedDDP\ndef ddp_grad_hook(ctx, param, pending):\n    BucketedDDP._on_grad(None, param)\n", "switched off"),
+    ("04", "check_zero3_hooks", "wraps the lab's ZeRO-3", "from parallel_lab.zero.stage3 import Zero3\ndef zero3_hooks(ctx, layer, shard, shapes):\n    Zero3._unit_pre(None, layer, ())\n", "switched off"),
+    ("05", "check_offloaded_step", "wraps the lab's ZeRO-Offload", "from parallel_lab.offload import ZeroOffload\ndef offloaded_step(params, masters, optimizer, to_host, to_device):\n    ZeroOffload.step(None)\n", "switched off"),
+    ("06", "check_master_weight_step", "wraps the lab's optimizer", "from parallel_lab.precision import MixedPrecisionOptimizer\ndef master_weight_step(params, masters, optimizer, scale):\n    return MixedPrecisionOptimizer.step(None)\n", "switched off"),
+    ("07", "check_recompute", "wraps the lab's Function", "import torch\nfrom parallel_lab.checkpointing import recompute\nclass Recompute(torch.autograd.Function):\n    apply = staticmethod(lambda run, x: recompute._Recompute.forward(None, run, x))\n", "switched off"),
+    ("08", "check_row_parallel_linear", "wraps the lab's layer", P + "from parallel_lab.tensor_parallel import RowParallelLinear\nclass RowParallelLinearFn(torch.autograd.Function):\n    apply = staticmethod(lambda x, w, b, ctx, group=None: RowParallelLinear.forward(None, x))\n", "switched off"),
+    ("10", "check_comm_bytes_per_layer", "wraps the lab's formula", "from parallel_lab.tensor_parallel import tp_comm_bytes_per_layer\ndef comm_bytes_per_layer(b, s, h, tp, dp, itemsize=2):\n    return {'tp': tp_comm_bytes_per_layer(b, s, h, tp, itemsize), 'dp': 0}\n", "switched off"),
+    ("11", "check_dispatch_combine", "wraps the lab's layer", P + "from parallel_lab.moe import expert_parallel as ep\ndef dispatch_combine(ctx, x, expert_tokens, expert_gates, experts):\n    return ep.ExpertParallelMoE._exact(None, x)\n", "switched off"),
+    ("12", "check_error_bound", "reads the lab's scale", "import torch\nfrom parallel_lab.quantization import absmax_scale\ndef error_bound(absmax):\n    return float(absmax_scale(torch.tensor([absmax]))) / 2\n", "switched off"),
 ]  # fmt: skip
 
 

@@ -173,6 +173,11 @@ def assemble(learner, solution):
     for cell in cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
+            if re.search(
+                r"^from parallel_lab\.grading import .*\bgrade\b|\bgrade\(", cell.source, re.M
+            ) and not is_check_cell(cell):
+                # the learner's own "grade it here" cell: running it inside the grading run would nest kernels
+                cell.metadata.setdefault("tags", []).append("skip-execution")
     nb = copy.deepcopy(learner)
     nb.cells = cells
     return nb, list(canon)

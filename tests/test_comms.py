@@ -448,7 +448,7 @@ def test_mismatched_shapes_are_a_clear_error(fn_name, what):
         launch(_mismatch, 3, fn_name, what, timeout=30)
     msg = str(info.value)
     assert info.value.exc_type == "ValueError"
-    assert "differ across ranks" in msg and "rank 1: " in msg
+    assert "made different calls" in msg and "rank 1: " in msg
     assert ("(9,)" in msg) if what == "numel" else ("float64" in msg)
 
 
@@ -655,3 +655,32 @@ def test_script_under_accelerate_with_use_cpu(tmp_path):
     res = RunResult.load(str(trace))
     assert res.world_size == 4 and res.backend == "gloo"
     assert {e["rank"] for e in res.timeline} == {0, 1, 2, 3}
+
+
+def _mismatched_call(ctx, kind):
+    t = torch.ones(6)
+    if kind == "op":  # a sum on one rank, a max on the other
+        return C.ring_all_reduce(ctx, t, op="sum" if ctx.rank == 0 else "max")
+    if kind == "algorithm":  # a ring on one rank, a tree on the other
+        return C.ring_all_reduce(ctx, t) if ctx.rank == 0 else C.tree_all_reduce(ctx, t)
+    if kind == "root":
+        return C.tree_broadcast(ctx, t, src=ctx.rank)
+    if kind == "dtype":
+        return C.ring_all_reduce(ctx, t if ctx.rank == 0 else t.double())
+    return C.ring_all_reduce(ctx, t if ctx.rank == 0 else torch.ones(7))
+
+
+@pytest.mark.parametrize(
+    "kind, says",
+    [("op", "ring_all_reduce sum of float32 (6,); rank 1: ring_all_reduce max"),
+     ("algorithm", "rank 0: ring_all_reduce sum of float32 (6,); rank 1: tree_all_reduce sum"),
+     ("root", "root=0 of float32 (6,); rank 1: tree_broadcast root=1"),
+     ("dtype", "rank 1: ring_all_reduce sum of float64"),
+     ("shape", "rank 1: ring_all_reduce sum of float32 (7,)")],
+)  # fmt: skip
+def test_mismatched_collectives_are_named_on_every_rank(kind, says):
+    """Before a collective the ranks compare fingerprints: a mismatch is an error naming each rank's
+    call, not a silent disagreement, a gloo abort or a hang."""
+    with pytest.raises(RankError) as info:
+        launch(_mismatched_call, 2, kind, timeout=30)
+    assert "made different calls" in str(info.value) and says in str(info.value), str(info.value)

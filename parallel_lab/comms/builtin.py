@@ -55,7 +55,7 @@ def dist_all_reduce(ctx, tensor: torch.Tensor, op="sum", group=None, async_op: b
     or with `async_op=True` a `Handle` whose `.wait()` returns it (the span covers issue -> wait)."""
     g = _group(ctx, group)
     o = TracedOp(ctx, "all_reduce", tensor, g)
-    check_same_shape(ctx, tensor, "all_reduce", g)
+    check_same_shape(ctx, tensor, "all_reduce", g, op=op)
     o.nominal(
         ring_bytes_per_rank(tensor.numel(), o.p, tensor.element_size(), "all_reduce")[o.me], _ring_peers(o)
     )
@@ -72,7 +72,7 @@ def dist_broadcast(ctx, tensor: torch.Tensor, src: int = 0, group=None) -> torch
     """`dist.broadcast` from group rank `src`, traced (binomial-tree nominal bytes). In place."""
     with TracedOp(ctx, "broadcast", tensor, group) as o:
         _check_rank("src", src, o.p)
-        check_same_shape(ctx, tensor, "broadcast", o.group)
+        check_same_shape(ctx, tensor, "broadcast", o.group, root=src)
         o.nominal(
             tree_bytes_per_rank(tensor.numel(), o.p, tensor.element_size(), "broadcast", src)[o.me],
             [src] if o.me != src else [],
@@ -85,7 +85,7 @@ def dist_reduce(ctx, tensor: torch.Tensor, dst: int = 0, op="sum", group=None) -
     """`dist.reduce` to group rank `dst`, traced (binomial-tree nominal bytes); result in `tensor` on dst."""
     with TracedOp(ctx, "reduce", tensor, group) as o:
         _check_rank("dst", dst, o.p)
-        check_same_shape(ctx, tensor, "reduce", o.group)
+        check_same_shape(ctx, tensor, "reduce", o.group, op=op, root=dst)
         o.nominal(
             tree_bytes_per_rank(tensor.numel(), o.p, tensor.element_size(), "reduce", dst)[o.me],
             [dst] if o.me != dst else [],
@@ -110,7 +110,7 @@ def dist_gather(ctx, tensor: torch.Tensor, dst: int = 0, group=None) -> torch.Te
     Returns shape (p, *tensor.shape) on `dst`, None elsewhere."""
     with TracedOp(ctx, "gather", tensor, group) as o:
         _check_rank("dst", dst, o.p)
-        check_same_shape(ctx, tensor, "gather", o.group)
+        check_same_shape(ctx, tensor, "gather", o.group, root=dst)
         nb = tensor.numel() * tensor.element_size()
         root = o.me == dst
         out = tensor.new_empty((o.p, *tensor.shape)) if root else None
@@ -133,7 +133,7 @@ def dist_scatter(
     (p tensors shaped like `tensor`) is needed on `src` only. Returns `tensor`."""
     with TracedOp(ctx, "scatter", tensor, group) as o:
         _check_rank("src", src, o.p)
-        check_same_shape(ctx, tensor, "scatter", o.group)
+        check_same_shape(ctx, tensor, "scatter", o.group, root=src)
         root = o.me == src
         if root and (scatter_list is None or len(scatter_list) != o.p):
             raise ValueError(f"scatter_list must hold {o.p} tensors on the src rank")
@@ -154,7 +154,7 @@ def dist_reduce_scatter(ctx, tensor: torch.Tensor, op="sum", group=None) -> torc
     """`dist.reduce_scatter` on the divmod chunks of `tensor` flattened (like `ring_reduce_scatter`),
     traced with the ring's nominal bytes; gloo really moves about twice that (an all-reduce inside)."""
     with TracedOp(ctx, "reduce_scatter", tensor, group) as o:
-        check_same_shape(ctx, tensor, "reduce_scatter", o.group)
+        check_same_shape(ctx, tensor, "reduce_scatter", o.group, op=op)
         chunks = _chunks(_flat(tensor), o.p)
         out = torch.empty_like(chunks[o.me])
         o.nominal(

@@ -116,10 +116,23 @@ def _check_rank(name: str, r: int, p: int) -> None:
         raise ValueError(f"{name} must be a rank in the group, 0 <= {name} < {p}, got {r!r}")
 
 
-def check_same_shape(ctx, tensor: torch.Tensor, name: str, group=None) -> None:
-    """All ranks agree on (numel, dtype, shape) or every rank raises ValueError naming them.
+#: Every traced collective, by name: a rank's call is fingerprinted by its index here.
+COLLECTIVE_NAMES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter", "all_to_all",
+    "tree_broadcast", "tree_reduce", "tree_all_reduce", "ring_reduce_scatter", "ring_all_gather",
+    "ring_all_reduce", "naive_all_reduce",
+)  # fmt: skip
+_FINGERPRINT = 4  # name, reduce op, root, numel: the fields before dtype and shape
 
-    One tiny all-gather: cheap next to a hang that only a timeout would end.
+
+def check_same_shape(ctx, tensor: torch.Tensor, name: str, group=None, op: str | None = None,
+                     root: int | None = None) -> None:  # fmt: skip
+    """All ranks make the same call, or every rank raises ValueError naming each rank's call.
+
+    The fingerprint compared: the collective (its name, so a ring on one rank and a tree on another
+    is caught), the reduce op, the root, the element count, the dtype and the shape. One tiny
+    all-gather before the collective: cheap next to a silent disagreement, a crash inside gloo, or
+    a hang that only a timeout would end. `launch(..., check_shapes=False)` turns it off.
     """
     p, _ = _size_rank(group)
     if p == 1 or not ctx.check_shapes:
@@ -128,7 +141,10 @@ def check_same_shape(ctx, tensor: torch.Tensor, name: str, group=None) -> None:
     if len(shape) > _META_DIMS:
         shape = shape[: _META_DIMS - 1] + [math.prod(shape[_META_DIMS - 1 :])]
     code = _DTYPE_CODES.index(tensor.dtype) if tensor.dtype in _DTYPE_CODES else 99
-    meta = [tensor.numel(), code, tensor.dim(), *shape] + [-1] * (_META_DIMS - len(shape))
+    which = COLLECTIVE_NAMES.index(name) if name in COLLECTIVE_NAMES else -1
+    reduce_op = REDUCE_OPS.index(op) if op in REDUCE_OPS else -1
+    meta = [which, reduce_op, -1 if root is None else root, tensor.numel(), code, tensor.dim(), *shape]
+    meta += [-1] * (_META_DIMS - len(shape))
     mine = torch.tensor(meta, dtype=torch.int64, device=tensor.device)
     every = [torch.empty_like(mine) for _ in range(p)]
     _metadata_all_gather(every, mine, group=group)
@@ -136,12 +152,18 @@ def check_same_shape(ctx, tensor: torch.Tensor, name: str, group=None) -> None:
     if any(row != rows[0] for row in rows):
 
         def show(row: list[int]) -> str:
-            dt = _DTYPE_CODES[row[1]] if row[1] < len(_DTYPE_CODES) else "other dtype"
-            return f"{str(dt).replace('torch.', '')} {tuple(row[3 : 3 + min(row[2], _META_DIMS)])}"
+            what = COLLECTIVE_NAMES[row[0]] if 0 <= row[0] < len(COLLECTIVE_NAMES) else "another collective"
+            extra = (f" {REDUCE_OPS[row[1]]}" if row[1] >= 0 else "") + (
+                f" root={row[2]}" if row[2] >= 0 else ""
+            )
+            dt = _DTYPE_CODES[row[4]] if row[4] < len(_DTYPE_CODES) else "other dtype"
+            dims = tuple(row[6 : 6 + min(row[5], _META_DIMS)])
+            return f"{what}{extra} of {str(dt).replace('torch.', '')} {dims}"
 
-        desc = ", ".join(f"rank {_global(group, r)}: {show(row)}" for r, row in enumerate(rows))
+        desc = "; ".join(f"rank {_global(group, r)}: {show(row)}" for r, row in enumerate(rows))
         raise ValueError(
-            f"{name}: tensors differ across ranks ({desc}); every rank must pass the same shape and dtype"
+            f"{name}: the ranks made different calls ({desc}); every rank must call the same collective "
+            "with the same reduce op, root, shape and dtype"
         )
 
 

@@ -66,7 +66,7 @@ def ring_reduce_scatter(
     _check_dtype(tensor)
     _check_op(op)
     with TracedOp(ctx, "ring_reduce_scatter", tensor, group, trace_steps) as o:
-        check_same_shape(ctx, tensor, "ring_reduce_scatter", o.group)
+        check_same_shape(ctx, tensor, "ring_reduce_scatter", o.group, op=op)
         chunks = _chunks(_flat(tensor), o.p)
         out = chunks[o.me].clone() if o.p == 1 else _ring_reduce_scatter(o, chunks, op, inplace=False)
         if op == "avg":
@@ -100,7 +100,7 @@ def ring_all_reduce(
     _check_dtype(tensor)
     _check_op(op)
     with TracedOp(ctx, "ring_all_reduce", tensor, group, trace_steps) as o:
-        check_same_shape(ctx, tensor, "ring_all_reduce", o.group)
+        check_same_shape(ctx, tensor, "ring_all_reduce", o.group, op=op)
         flat = _flat(tensor)  # (n,)
         chunks = _chunks(flat, o.p)
         if o.p > 1:
@@ -130,7 +130,7 @@ def ring_all_reduce_pipelined(
     if not isinstance(segment_bytes, int) or segment_bytes < 1:
         raise ValueError(f"segment_bytes must be a positive int, got {segment_bytes!r}")
     with TracedOp(ctx, "ring_all_reduce", tensor, group) as o:
-        check_same_shape(ctx, tensor, "ring_all_reduce", o.group)
+        check_same_shape(ctx, tensor, "ring_all_reduce", o.group, op=op)
         flat = _flat(tensor)  # (n,)
         chunks = _chunks(flat, o.p)
         if o.p > 1:
@@ -201,7 +201,7 @@ def naive_all_reduce(
     _check_dtype(tensor)
     _check_op(op)
     with TracedOp(ctx, "naive_all_reduce", tensor, group, trace_steps) as o:
-        check_same_shape(ctx, tensor, "naive_all_reduce", o.group)
+        check_same_shape(ctx, tensor, "naive_all_reduce", o.group, op=op)
         flat = _flat(tensor)
         if o.me == 0:
             buf = o.buffer(flat, flat.numel())

@@ -54,7 +54,7 @@ def tree_broadcast(
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     with TracedOp(ctx, "tree_broadcast", tensor, group, trace_steps) as o:
         _check_rank("src", src, o.p)
-        check_same_shape(ctx, tensor, "tree_broadcast", o.group)
+        check_same_shape(ctx, tensor, "tree_broadcast", o.group, root=src)
         flat = _flat(tensor)
         _tree_broadcast(o, flat, src)
         if not tensor.is_contiguous():
@@ -71,7 +71,7 @@ def tree_reduce(
     _check_op(op)
     with TracedOp(ctx, "tree_reduce", tensor, group, trace_steps) as o:
         _check_rank("dst", dst, o.p)
-        check_same_shape(ctx, tensor, "tree_reduce", o.group)
+        check_same_shape(ctx, tensor, "tree_reduce", o.group, op=op, root=dst)
         flat = _flat(tensor)
         acc = _tree_reduce(o, flat, dst, op)
         if o.me != dst:
@@ -94,7 +94,7 @@ def tree_all_reduce(
     _check_dtype(tensor)
     _check_op(op)
     with TracedOp(ctx, "tree_all_reduce", tensor, group, trace_steps) as o:
-        check_same_shape(ctx, tensor, "tree_all_reduce", o.group)
+        check_same_shape(ctx, tensor, "tree_all_reduce", o.group, op=op)
         flat = _flat(tensor)
         _tree_reduce(o, flat, 0, op)  # on rank 0 the sum lands in flat itself
         if o.me == 0 and op == "avg":

@@ -32,7 +32,8 @@ from pathlib import Path
 import nbformat
 
 BEGIN, END, HINT, HINT2 = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:", "### HINT 2:"
-SOLUTION_ONLY = "solution-only"  # a cell with this tag (e.g. the lab's own code for an exercise) is not copied
+# A cell with this tag (e.g. the lab's own code for an exercise) is not copied into the exercise.
+SOLUTION_ONLY = "solution-only"
 HEADING = re.compile(r"^#+\s*Exercises?\s+(\d+(?:\s*(?:,|and|&)\s*\d+)*)", re.MULTILINE | re.IGNORECASE)
 CHECK_TAG = "check"
 CHECK_HEADER = "# NBVAL_CHECK_OUTPUT"

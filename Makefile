@@ -58,6 +58,7 @@ grade: setup
 bench: setup
 	$(PY) benchmarks/launch.py
 	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/fingerprint.py
 	$(PY) benchmarks/memory_overhead.py
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/zero.py

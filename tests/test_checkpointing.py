@@ -53,7 +53,7 @@ def _np(x):
     return x
 
 
-# ----------------------------------------------------------------------------- seed 000's count
+# ----------------------------------------------------------------------------- the 24 x 5 count
 def test_seed_120_saved_activations_become_24():
     model = linear_stack(layers=24, linears=5, hidden=16)
     x = torch.randn(4, 16, requires_grad=True)
@@ -70,7 +70,7 @@ def test_seed_120_saved_activations_become_24():
 
 def test_saved_counts_and_bytes_match_prediction_for_every_spacing():
     """Count (SavedTensorCounter) and bytes (MemoryTracker, live after forward) for 1..24 segments,
-    torch's convention (last segment not checkpointed) and the seed's (all checkpointed)."""
+    torch's convention (last segment not checkpointed) and the lesson's (all checkpointed)."""
     B, H, L = 4, 16, 24
     model = linear_stack(layers=L, linears=5, hidden=H)
     x = torch.randn(B, H, requires_grad=True)

@@ -24,13 +24,13 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_7b_mixed_adam_is_112_gb():  # seed 003
+def test_7b_mixed_adam_is_112_gb():
     got = cm.model_state_bytes(7_000_000_000)
     assert got == {"param": 14e9, "grad": 14e9, "optim": 84e9, "total": 112e9}
     assert cm.bytes_per_param() == {"param": 2, "grad": 2, "optim": 12}
 
 
-def test_70b_params_grads_adam():  # seed 001: 140 / 140 / 840 GB
+def test_70b_params_grads_adam():  # 140 / 140 / 840 GB
     got = cm.model_state_bytes(70e9)
     assert (got["param"] / GB, got["grad"] / GB, got["optim"] / GB) == (140, 140, 840)
     assert cm.bytes_per_param("adam")["optim"] * 70e9 == 840e9  # 12 bytes x 70B
@@ -52,7 +52,7 @@ def test_zero_stage_formulas_and_padding():
 
 
 def test_gpt3_fp32_params_and_rule_of_thumb():
-    assert cm.model_state_bytes(175e9, precision="fp32")["param"] == 700e9  # seed 001
+    assert cm.model_state_bytes(175e9, precision="fp32")["param"] == 700e9
     assert cm.rule_of_thumb_bytes(1e9) == 6e9
     assert cm.rule_of_thumb_bytes(7e9) == 42e9  # vs 112 GB for mixed Adam
     # What the rule assumes: 16-bit weights, grads and one 16-bit optimizer state.
@@ -142,7 +142,7 @@ def test_flops_and_intensity():
     assert cm.training_flops(7e9, 2e12) == 6 * 7e9 * 2e12
     assert cm.matmul_flops(4, 5, 6) == 240
     assert cm.arithmetic_intensity_dot(1) == 1 / 6
-    assert abs(cm.arithmetic_intensity_dot(10**9) - 0.5) < 1e-6  # seed 001: -> 0.5 FLOP/byte in bf16
+    assert abs(cm.arithmetic_intensity_dot(10**9) - 0.5) < 1e-6  # -> 0.5 FLOP/byte in bf16
     assert cm.arithmetic_intensity_matmul(4, 5, 6) == 240 / (2 * (20 + 30 + 24))
     b = 64
     assert math.isclose(

@@ -73,7 +73,7 @@ BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
 def test_formats_and_seed_underflow():
     fp16 = {r["dtype"]: r for r in format_table()}["fp16"]
     assert (fp16["exponent_bits"], fp16["mantissa_bits"]) == (5, 10)
-    assert fp16["smallest_normal"] == 2.0**-14  # 6.1e-5: the seed's "~6e-5"
+    assert fp16["smallest_normal"] == 2.0**-14  # 6.1e-5: the usual "~6e-5"
     assert fp16["smallest_subnormal"] == 2.0**-24 and fp16["max"] == 65504.0
     assert classify(1e-4) == "normal" and classify(5e-5) == "subnormal" and classify(2e-8) == "zero"
     assert classify(7e4) == "inf" and classify(1e-30, "bf16") == "normal"

@@ -41,7 +41,7 @@ def _int64_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_seed_example():
     q, s = Q.quantize_absmax(SEED_X)
     assert s.dtype == torch.float32 and s.dim() == 0
-    assert s.item() == (torch.tensor(3.1) / 127).item()  # 0.024409..., the seed's "0.024"
+    assert s.item() == (torch.tensor(3.1) / 127).item()  # 0.024409...
     assert abs(s.item() - 0.0244) < 1e-4
     assert q.dtype == torch.int8 and q.tolist() == SEED_Q
     back = Q.dequantize(q, s)
@@ -232,7 +232,7 @@ def test_torch_ao_dynamic_linear_side_by_side():
 
 
 def test_bminf_plan_on_paper():
-    # seed 000: 10B parameters on a 6 GB GPU. fp32 40 GB, fp16 20 GB, int8 10 GB: none fits whole
+    # BMInf: 10B parameters on a 6 GB GPU. fp32 40 GB, fp16 20 GB, int8 10 GB: none fits whole
     for dtype, whole in (("fp32", 40e9), ("fp16", 20e9), ("int8", 10e9)):
         assert layer_bytes_of(10e9, 48, dtype) * 48 == pytest.approx(whole, rel=1e-8)
     plan = plan_layer_offload(layer_bytes_of(10e9, 48, "int8"), 48, 6e9, buffers=2)

@@ -246,7 +246,7 @@ def test_parity_bytes_and_activations(p):
     res = launch(_parity_rank, p, timeout=120)
     for r, v in enumerate(res.values):
         assert v["fails"] == [], f"rank {r}: " + "; ".join(v["fails"])
-    x = B * T * C  # seed 003's x = b·s·h
+    x = B * T * C  # x = b·s·h
     for r, v in enumerate(res.values):
         n = v["numbers"]
         ar = comms.ring_bytes_per_rank(x, p, 4, "all_reduce")[r][0]
@@ -255,7 +255,7 @@ def test_parity_bytes_and_activations(p):
             for impl in ("ring", "builtin"):
                 assert n[mode, impl, "sent"] == want, (mode, impl, r)
             assert n[mode, "saved"] == tp_activation_bytes_per_layer(B, T, C, HEADS, p, sp, rg), (mode, r)
-        # seed 003: 4 all-reduces of x per layer; sequence parallelism moves exactly as much
+        # 4 all-reduces of x per layer; sequence parallelism moves exactly as much
         assert n["tp", "ring", "sent"] == 4 * ar == n["sp", "ring", "sent"]
         assert n["tp", "ring", "sent"] == 8 * (p - 1) * x * 4 // p  # 8·b·s·h·(p-1)/p elements of 4 bytes
         # the Megatron MLP: one all-reduce forward, one backward; the other order: 4x wider

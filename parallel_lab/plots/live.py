@@ -220,17 +220,15 @@ class StatusLine:
         if not self.active:
             return
         now = time.perf_counter()
-        if self.handle is not None and not force and now - self._last < self.min_interval:
+        if self.handle is None:
+            # Displayed empty, then filled by updates: a saved or headless run (nbval records the
+            # display, not its updates) keeps exactly what the final update leaves, an empty line.
+            self.handle = _display({"text/plain": ""})
+        elif not force and now - self._last < self.min_interval:
             return
         self._last = now
-        bundle = {
-            "text/plain": line,
-            "text/html": f"<div class='pl-progress'><tt>{html.escape(line)}</tt></div>",
-        }
-        if self.handle is None:
-            self.handle = _display(bundle)
-        else:
-            self.handle.update(bundle, raw=True)
+        bundle = {"text/plain": line, "text/html": f"<div class='pl-progress'><tt>{html.escape(line)}</tt></div>"}
+        self.handle.update(bundle, raw=True)
 
     def finish(self) -> None:
         if self.handle is not None:

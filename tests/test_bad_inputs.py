@@ -126,9 +126,13 @@ ROWS = [
 
 @pytest.mark.parametrize(("label", "call", "exc", "names"), ROWS, ids=[r[0] for r in ROWS])
 def test_bad_input_is_named(label, call, exc, names):
+    import matplotlib.pyplot as plt
+
+    before = set(plt.get_fignums())
     with pytest.raises(exc) as info:
         call()
     assert names in str(info.value), f"{label}: {type(info.value).__name__}: {info.value}"
+    assert set(plt.get_fignums()) == before, "a refused call must not leave a figure open"
 
 
 def test_empty_moe_batch_has_zero_aux_loss():

@@ -227,7 +227,10 @@ class StatusLine:
         elif not force and now - self._last < self.min_interval:
             return
         self._last = now
-        bundle = {"text/plain": line, "text/html": f"<div class='pl-progress'><tt>{html.escape(line)}</tt></div>"}
+        bundle = {
+            "text/plain": line,
+            "text/html": f"<div class='pl-progress'><tt>{html.escape(line)}</tt></div>",
+        }
         self.handle.update(bundle, raw=True)
 
     def finish(self) -> None:

@@ -51,6 +51,12 @@ def plot_timeline(
     are at most 200 events).
     """
     events, ws = timeline_of(result_or_events)
+    if color_by not in ("kind", "name"):  # before a figure exists: a refused call leaves none open
+        raise ValueError(f"color_by must be 'kind' or 'name', got {color_by!r}")
+    if world_size is not None and (
+        isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 0
+    ):
+        raise ValueError(f"world_size must be a non-negative int, got {world_size!r}")
     if ax is None:
         n = world_size or ws or (max((e["rank"] for e in events), default=0) + 1)
         fig, ax = new_axes(None, figsize=(9.4, 1.1 + 0.75 * n))

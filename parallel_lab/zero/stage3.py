@@ -1,7 +1,7 @@
 """ZeRO stage 3: parameters sharded too, gathered unit by unit just before use and freed just after.
 
-Rajbhandari et al. 2020, "ZeRO", §5.3 (P_os+g+p) and §7.2.3 (1.5x communication); seed
-000 ZeRO-Stage3 and "overlapping". Between steps a rank holds only its (S,) slice of the
+Rajbhandari et al. 2020, "ZeRO", §5.3 (P_os+g+p) and §7.2.3 (1.5x communication), with the next
+unit's gather overlapping the current unit's compute. Between steps a rank holds only its (S,) slice of the
 parameters, gradients and optimizer states: 16Ψ/N bytes with mixed-precision Adam.
 
 A step, for units u = root, blocks.0, blocks.1, ... (`zero.layout.group_params`):

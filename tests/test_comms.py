@@ -7,6 +7,7 @@ asserts that every list is empty, so one failing case names itself.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -684,3 +685,70 @@ def test_mismatched_collectives_are_named_on_every_rank(kind, says):
     with pytest.raises(RankError) as info:
         launch(_mismatched_call, 2, kind, timeout=30)
     assert "made different calls" in str(info.value) and says in str(info.value), str(info.value)
+
+
+_DETAIL_PROBE = """
+import json, sys, torch, torch.distributed as dist
+from parallel_lab import LaunchTimeout, RankError, launch
+from parallel_lab import comms as C
+
+def builtin(ctx, kind):  # torch's own collectives, as a learner calls them
+    t, r = torch.ones(6), ctx.rank
+    if kind == "reduce op":
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if r == 0 else dist.ReduceOp.MAX)
+    elif kind == "collective":
+        dist.all_reduce(t) if r == 0 else dist.broadcast(t, 0)
+    elif kind == "root":
+        dist.broadcast(t, src=r)
+    elif kind == "dtype":
+        dist.all_reduce(t if r == 0 else t.double())
+    else:
+        dist.all_reduce(t if r == 0 else torch.ones(7))
+
+def traced(ctx, kind):  # the same calls through the lab's comms layer
+    t, r = torch.ones(6), ctx.rank
+    if kind == "reduce op":
+        C.dist_all_reduce(ctx, t, op="sum" if r == 0 else "max")
+    elif kind == "collective":
+        C.dist_all_reduce(ctx, t) if r == 0 else C.dist_broadcast(ctx, t, 0)
+    elif kind == "root":
+        C.dist_broadcast(ctx, t, src=r)
+    elif kind == "dtype":
+        C.dist_all_reduce(ctx, t if r == 0 else t.double())
+    else:
+        C.dist_all_reduce(ctx, t if r == 0 else torch.ones(7))
+
+fn, check = (builtin, False) if sys.argv[1] == "torch" else (traced, True)
+out = {}
+for kind in ["reduce op", "collective", "root", "dtype", "shape"]:
+    try:
+        launch(fn, 2, kind, timeout=8, check_shapes=check)
+        out[kind] = "silent"
+    except RankError as e:
+        out[kind] = "named" if ("mismatch" in str(e) or "different calls" in str(e)) else "crash"
+    except LaunchTimeout:
+        out[kind] = "hang"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_fingerprint_check_catches_what_torch_detail_debug_misses(tmp_path):
+    """torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the process group and compares each collective's
+    type, shapes and dtypes across ranks. It does not compare the reduce op or the root: a sum on one
+    rank and a max on the other returns silently, two roots hang. The lab's fingerprint compares those
+    too, so every kind of mismatch is named."""
+    script = tmp_path / "probe.py"
+    script.write_text(_DETAIL_PROBE)
+
+    def run(which: str, **env: str) -> dict:
+        out = subprocess.run([sys.executable, str(script), which], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, **env})  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    torch_detail = run("torch", TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    assert torch_detail == {"reduce op": "silent", "collective": "named", "root": "hang", "dtype": "named",
+                            "shape": "named"}, torch_detail  # fmt: skip
+    ours = run("lab")
+    assert ours == dict.fromkeys(torch_detail, "named"), ours

@@ -134,7 +134,95 @@ def test_hang_reports_stuck_ranks_and_last_collective():
         pl.launch(f, 3, timeout=timeout)
     assert time.perf_counter() - t < timeout + 20  # stopped at the timeout, not left hanging
     assert ei.value.stuck == {1: "all_reduce", 2: "all_reduce"}
-    assert "rank 1 (last collective entered: all_reduce)" in str(ei.value)
+    assert "rank 1 was inside all_reduce; rank 2 was inside all_reduce." in str(ei.value)
+
+
+def test_hang_report_says_a_rank_runs_its_own_code_without_guessing_why():
+    """A rank that finished its collectives and then sleeps is not "in a mismatched collective"."""
+
+    def f(ctx):
+        from parallel_lab import comms as C
+
+        C.dist_barrier(ctx)
+        if ctx.rank == 0:
+            time.sleep(120)  # its own code, long
+        C.dist_all_reduce(ctx, torch.ones(2))
+
+    with pytest.raises(pl.LaunchTimeout) as ei:
+        pl.launch(f, 2, timeout=10)
+    e = ei.value
+    assert e.inside == {0: [], 1: ["all_reduce"]}
+    msg = str(e)
+    assert "rank 0 was running its own code (its last traced collective, barrier, had finished)" in msg
+    assert "rank 1 was inside all_reduce" in msg
+    assert "mismatch" not in msg
+
+
+def test_sys_exit_during_a_collective_is_blamed_not_its_peer():
+    def f(ctx):
+        dist.barrier()
+        if ctx.rank == 1:
+            sys.exit(3)
+        dist.all_reduce(torch.ones(1000))
+
+    for _ in range(2):
+        with pytest.raises(pl.RankError) as ei:
+            pl.launch(f, 3, timeout=60)
+        assert ei.value.rank == 1 and ei.value.exc_type == "SystemExit", str(ei.value)
+        assert "called sys.exit(3)" in str(ei.value)
+
+
+def test_rank_killed_by_a_signal_during_a_collective_is_blamed():
+    def f(ctx):
+        import signal
+
+        dist.barrier()
+        if ctx.rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(torch.ones(1000))
+        dist.all_reduce(torch.ones(1000))
+
+    for _ in range(2):
+        with pytest.raises(pl.RankError, match="rank 2 raised ProcessDied: exited with code -9"):
+            pl.launch(f, 3, timeout=60)
+
+
+def test_launch_inside_a_launched_function_is_refused_clearly():
+    def inner(ctx):
+        return ctx.rank
+
+    def outer(ctx):
+        return pl.launch(inner, 2)
+
+    with pytest.raises(pl.RankError, match="launch was called inside a launched function") as ei:
+        pl.launch(outer, 2, timeout=60)
+    assert ei.value.exc_type == "RuntimeError"
+
+
+def test_an_unpicklable_return_value_is_named_as_the_cause():
+    def f(ctx):
+        return (x for x in range(3))  # a generator cannot be pickled
+
+    with pytest.raises(pl.RankError, match=r"the value fn returned \(generator\) cannot be sent back"):
+        pl.launch(f, 2, timeout=60)
+
+
+def _with_seed(ctx, seed):
+    return seed
+
+
+def _with_seed_default(ctx, seed=5):
+    return seed
+
+
+def test_a_launch_keyword_that_fn_also_takes_is_refused():
+    with pytest.raises(TypeError, match="seed=3 is taken by launch itself, but fn '_with_seed' also has"):
+        pl.launch(_with_seed, 2, seed=3)
+    with pytest.raises(TypeError, match="seed=3 is taken by launch itself, but fn '_with_seed_default'"):
+        pl.launch(_with_seed_default, 2, timeout=30, seed=3)  # seed differs from launch's default
+    # positionally it reaches fn; left at launch's default with fn's own default, nothing is ambiguous
+    assert pl.launch(_with_seed, 2, 7).values == [7, 7]
+    assert pl.launch(_with_seed_default, 2).values == [5, 5]
 
 
 @pytest.mark.parametrize("code", [0, 1, 3])

@@ -55,15 +55,18 @@ def dist_all_reduce(ctx, tensor: torch.Tensor, op="sum", group=None, async_op: b
     or with `async_op=True` a `Handle` whose `.wait()` returns it (the span covers issue -> wait)."""
     g = _group(ctx, group)
     o = TracedOp(ctx, "all_reduce", tensor, g)
-    check_same_shape(ctx, tensor, "all_reduce", g, op=op)
     o.nominal(
         ring_bytes_per_rank(tensor.numel(), o.p, tensor.element_size(), "all_reduce")[o.me], _ring_peers(o)
     )
     if async_op:
+        ctx.recorder.enter_comm("all_reduce")  # a peer that never comes is waited for in the check
+        check_same_shape(ctx, tensor, "all_reduce", g, op=op)
+        ctx.recorder.leave_comm("all_reduce")
         work = dist.all_reduce(tensor, op=_dist_op(op), group=g, async_op=True)
         args = {**o.args, "peers": sorted(o.peers), "steps": 2 * (o.p - 1)}
         return Handle(ctx, "all_reduce", [work], args, o.sent, o.recv, tensor)
     with o:
+        check_same_shape(ctx, tensor, "all_reduce", g, op=op)
         dist.all_reduce(tensor, op=_dist_op(op), group=g)
     return tensor
 
@@ -230,6 +233,7 @@ class AsyncAllReduce:
         self.rec.add_event(self.name, "comm", self.start, end, **self.args, bytes_sent=self.sent,
                            bytes_recv=self.recv)  # fmt: skip
         self.rec.count_bytes("all_reduce", self.sent, self.recv)
+        self.rec.leave_comm(self.name)
 
 
 class CommThread:

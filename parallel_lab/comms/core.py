@@ -66,6 +66,7 @@ _DTYPE_CODES = (*SUPPORTED_DTYPES, torch.int64, torch.int32, torch.int8, torch.u
 # Bound once: the shape check is plumbing, not the lesson; graders that forbid built-in
 # collectives inside a learner's function (by patching torch.distributed) don't see it.
 _metadata_all_gather = dist.all_gather
+_metadata_all_reduce = dist.all_reduce
 _MAX_SEGMENTS = 64  # per chunk, in the pipelined ring
 _META_DIMS = 8  # shape dims carried by the shape check (more are folded into the last one)
 
@@ -131,7 +132,7 @@ def check_same_shape(ctx, tensor: torch.Tensor, name: str, group=None, op: str |
 
     The fingerprint compared: the collective (its name, so a ring on one rank and a tree on another
     is caught), the reduce op, the root, the element count, the dtype and the shape. One tiny
-    all-gather before the collective: cheap next to a silent disagreement, a crash inside gloo, or
+    all-reduce before the collective: cheap next to a silent disagreement, a crash inside gloo, or
     a hang that only a timeout would end. `launch(..., check_shapes=False)` turns it off.
     """
     p, _ = _size_rank(group)
@@ -145,6 +146,8 @@ def check_same_shape(ctx, tensor: torch.Tensor, name: str, group=None, op: str |
     reduce_op = REDUCE_OPS.index(op) if op in REDUCE_OPS else -1
     meta = [which, reduce_op, -1 if root is None else root, tensor.numel(), code, tensor.dim(), *shape]
     meta += [-1] * (_META_DIMS - len(shape))
+    if _same_everywhere(hash(tuple(meta)) & ((1 << 62) - 1), group, tensor.device):
+        return
     mine = torch.tensor(meta, dtype=torch.int64, device=tensor.device)
     every = [torch.empty_like(mine) for _ in range(p)]
     _metadata_all_gather(every, mine, group=group)
@@ -165,6 +168,16 @@ def check_same_shape(ctx, tensor: torch.Tensor, name: str, group=None, op: str |
             f"{name}: the ranks made different calls ({desc}); every rank must call the same collective "
             "with the same reduce op, root, shape and dtype"
         )
+
+
+def _same_everywhere(h: int, group, device) -> bool:
+    """True when every rank of `group` holds the same number `h`: min(h) and max(h) (as -min(-h))
+    agree only then. One all-reduce of two numbers: cheaper than gathering every fingerprint (a few
+    times so at 4 ranks on gloo). Its cost is latency, one more message round per collective; a
+    recursive-doubling exchange over point-to-point messages measured no better."""
+    lo_hi = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    _metadata_all_reduce(lo_hi, op=dist.ReduceOp.MIN, group=group)
+    return lo_hi[0].item() == -lo_hi[1].item()
 
 
 _SCRATCH: dict[tuple, torch.Tensor] = {}
@@ -328,4 +341,5 @@ class Handle:
                 bytes_recv=self.recv,
             )
             rec.count_bytes(self.name, self.sent, self.recv)
+            rec.leave_comm(self.name)
         return self.result

@@ -29,26 +29,43 @@ class RankError(RuntimeError):
 
 
 class LaunchTimeout(TimeoutError):
-    """The run did not finish in time: names the stuck ranks and their last collective."""
+    """The run did not finish in time: says what each unfinished rank was doing, as far as the
+    traced comms layer saw it, and guesses no cause it cannot know.
+
+    `stuck`: {rank: last collective it entered, or None}; `inside`: {rank: collectives it was in
+    when time ran out (an async op counts until it is waited on)}; `starting`: ranks whose
+    process group never came up."""
 
     def __init__(
-        self, timeout: float, stuck: dict[int, str | None], starting: set[int] | frozenset = frozenset()
+        self,
+        timeout: float,
+        stuck: dict[int, str | None],
+        starting: set[int] | frozenset = frozenset(),
+        inside: dict[int, list[str]] | None = None,
     ):
         self.stuck, self.starting = stuck, set(starting)
-        parts = [
-            f"rank {r} (still joining the process group)"
-            if r in self.starting
-            else f"rank {r} (last collective entered: {op or 'none'})"
-            for r, op in sorted(stuck.items())
-        ]
-        hint = (
-            " A mismatched collective (ranks calling different ops or sizes) is the usual cause."
-            if len(self.starting) < len(stuck)
-            else " No rank finished joining: the machine may be overloaded; try a larger timeout."
-        )
-        super().__init__(
-            f"run did not finish within timeout={timeout:g} s; stuck: " + ", ".join(parts) + "." + hint
-        )
+        self.inside = {r: list((inside or {}).get(r, [])) for r in stuck}
+        parts = [f"rank {r} {self.doing(r)}" for r in sorted(stuck)]
+        waiting = [r for r in stuck if self.inside[r]]
+        if len(self.starting) == len(stuck):
+            hint = " No rank finished joining the process group; on a busy machine a larger timeout may help."
+        elif waiting:
+            hint = (
+                " A collective finishes only when every rank of its group calls it with the same arguments."
+            )
+        else:
+            hint = " No rank is inside a traced collective: they are all running their own code."
+        super().__init__(f"run did not finish within timeout={timeout:g} s; " + "; ".join(parts) + "." + hint)
+
+    def doing(self, rank: int) -> str:
+        """What `rank` was doing when time ran out, in words."""
+        if rank in self.starting:
+            return "was still joining the process group"
+        if self.inside[rank]:
+            return "was inside " + ", ".join(self.inside[rank])
+        last = self.stuck[rank]
+        done = f"its last traced collective, {last}, had finished" if last else "no traced collective yet"
+        return f"was running its own code ({done})"
 
 
 @dataclass

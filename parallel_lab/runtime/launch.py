@@ -13,6 +13,7 @@ Invariant: when `launch` returns or raises, no rank process is left alive.
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import shutil
@@ -42,7 +43,16 @@ START_METHODS = ("auto", "fork", "spawn")
 MAX_TIMEOUT = 1e6  # seconds (11.6 days): above it the ranks' timers overflow (and inf never ends)
 
 
+IN_RANK_ENV = "PARALLEL_LAB_LAUNCHED_RANK"  # set in every launched rank: a launch inside one is refused
+
+
 def _check_args(fn, world_size, timeout, backend, start_method, threads) -> None:
+    if os.environ.get(IN_RANK_ENV) is not None:
+        raise RuntimeError(
+            f"launch was called inside a launched function (on rank {os.environ[IN_RANK_ENV]}): a rank "
+            "cannot start ranks of its own. Launch from the notebook or script, and pass what the inner "
+            "run needed as arguments of the outer one."
+        )
     if not callable(fn):
         raise TypeError(f"fn must be callable (a function taking ctx first), got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int):
@@ -59,6 +69,33 @@ def _check_args(fn, world_size, timeout, backend, start_method, threads) -> None
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
+
+
+def _check_keyword_clash(fn, n_args: int, given: dict[str, Any]) -> None:
+    """A keyword of launch's own (`seed=`, `timeout=`, ...) never reaches `fn`. When `fn` has a
+    parameter of that name that the call seems to mean (it has no default, or launch's keyword was
+    given a non-default value), say so instead of running with a value the learner did not mean."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[1:]  # after ctx
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return
+    named = {
+        p.name: p
+        for i, p in enumerate(params)
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and not (p.kind == p.POSITIONAL_OR_KEYWORD and i < n_args)
+    }
+    defaults = {k: v.default for k, v in inspect.signature(launch).parameters.items()}
+    for name, value in given.items():
+        p = named.get(name)
+        if p is None:
+            continue
+        if p.default is inspect.Parameter.empty or value != defaults[name]:
+            raise TypeError(
+                f"{name}={value!r} is taken by launch itself, but fn {getattr(fn, '__name__', fn)!r} also has "
+                f"a parameter named {name!r}, which would never receive it. Rename fn's parameter, or pass "
+                "it positionally after world_size."
+            )
 
 
 def choose_start_method(start_method: str, backend: str, threads: int | None) -> str:
@@ -138,6 +175,7 @@ def _worker(
     rank, world_size, store_path, backend, t0, seed, threads, timeout, check_shapes, track_memory, q, payload
 ):
     _die_with_parent()
+    os.environ[IN_RANK_ENV] = str(rank)
     sys.stdout = _QueueWriter(q, "stdout", rank)
     sys.stderr = _QueueWriter(q, "stderr", rank)
     try:
@@ -168,7 +206,14 @@ def _worker(
         value = _run_fn(ctx, fn, args, kwargs)
         # Pickled here, by value: through the queue torch would share tensors by file
         # descriptor, which dies with this process if it exits before the parent reads.
-        blob = pickle.dumps(_to_cpu(value), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            blob = pickle.dumps(_to_cpu(value), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise TypeError(
+                f"the value fn returned ({type(value).__name__}) cannot be sent back to the parent: "
+                f"pickling it failed with {type(e).__name__}: {e}. Return tensors, numbers, strings, or "
+                "lists and dicts of them."
+            ) from None
         q.put(("result", {"rank": rank, "value": blob, "comm": ctx.recorder.comm_totals()}))
         try:
             dist.barrier()  # nobody tears down sockets a peer still reads from
@@ -178,6 +223,8 @@ def _worker(
         code = 0
     except BaseException as e:  # noqa: BLE001 - everything must reach the parent
         tb = _user_traceback(e)
+        if isinstance(e, SystemExit):  # sys.exit(): say so, the bare code means nothing on its own
+            e = SystemExit(f"the function called sys.exit({e.code!r})")
         try:
             q.put(("error", {"rank": rank, "type": type(e).__name__, "message": str(e), "traceback": tb}))
         except Exception:
@@ -220,6 +267,11 @@ def launch(
     import multiprocessing as mp
 
     _check_args(fn, world_size, timeout, backend, start_method, threads)
+    _check_keyword_clash(
+        fn, len(args),
+        {"backend": backend, "timeout": timeout, "live": live, "track_memory": track_memory, "seed": seed,
+         "threads": threads, "start_method": start_method, "check_shapes": check_shapes},
+    )  # fmt: skip
     if not isinstance(live, bool) and not hasattr(live, "outputs"):
         raise TypeError(f"live must be True, False or an ipywidgets Output, got {type(live).__name__}")
     backend = mesh.resolve_backend(backend, world_size)
@@ -278,6 +330,7 @@ def launch(
     values: dict[int, Any] = {}
     comm: dict[int, dict] = {}
     last_op: dict[int, str | None] = dict.fromkeys(range(world_size))
+    inside: dict[int, list[str]] = {r: [] for r in range(world_size)}  # collectives a rank is in now
     ready: set[int] = set()  # ranks whose process group is up
     try:
         for p in procs:
@@ -300,6 +353,9 @@ def launch(
                     ready.add(msg["rank"])
                 elif what == "enter":
                     last_op[msg["rank"]] = msg["op"]
+                    inside[msg["rank"]].append(msg["op"])
+                elif what == "leave" and msg["op"] in inside[msg["rank"]]:
+                    inside[msg["rank"]].remove(msg["op"])
                 elif what == "text":
                     (sys.stdout if msg["stream"] == "stdout" else sys.stderr).write(msg["text"])
                 elif what == "result":
@@ -315,7 +371,7 @@ def launch(
                 seen_dead = {r for r, p in enumerate(procs) if r not in values and not p.is_alive()}
             if now > deadline:
                 stuck = {r: last_op[r] for r in range(world_size) if r not in values}
-                raise LaunchTimeout(timeout, stuck, starting=set(stuck) - ready)
+                raise LaunchTimeout(timeout, stuck, starting=set(stuck) - ready, inside=inside)
             if view is not None:
                 view.update(timeline, memory)  # rate-limited inside: cheap when it does not draw
             if progress is not None:

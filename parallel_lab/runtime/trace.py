@@ -92,6 +92,8 @@ class Recorder:
             yield args
         finally:
             end = self.mark()
+            if kind == "comm":
+                self.leave_comm(name)
             self.add_event(name, kind, start, end, **args)
             self.sample_memory(f"{name}:end")
 
@@ -108,9 +110,15 @@ class Recorder:
         return ev
 
     def enter_comm(self, op: str) -> None:
-        """Note that this rank entered a collective; the launcher reports it on a hang."""
+        """Note that this rank entered a collective (or issued an async one); the launcher reports
+        it on a hang. Every `enter_comm` is closed by one `leave_comm`."""
         self.last_comm = op
         self._emit("enter", {"rank": self.rank, "op": op, "t": self.now()})
+
+    def leave_comm(self, op: str) -> None:
+        """Note that the collective `op` finished on this rank (a blocking one returned, an async one
+        was waited on)."""
+        self._emit("leave", {"rank": self.rank, "op": op, "t": self.now()})
 
     # -- bytes -----------------------------------------------------------------
     def count_bytes(self, op: str, sent: int, recv: int) -> None:

@@ -148,7 +148,6 @@ class GradReducer:
         self.on_unit_ready, self.on_backward_end = on_unit_ready, on_backward_end
         self.sink = sink or self._add_to_shard  # where a reduced piece goes: (unit, lo, hi, piece)
         self.count = [0] * len(params)
-        self.buffers: dict[int, torch.Tensor] = {}  # unit -> flat gradient buffer its .grads view
         self.callback_queued = False
         # The hooks live on the parameters; holding the reducer weakly keeps the parameters
         # from keeping it (and through it themselves) alive in a cycle Python cannot see.
@@ -167,17 +166,6 @@ class GradReducer:
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
-    def attach(self, u: int) -> None:
-        """Give unit u's parameters .grad views of one zeroed flat buffer before its backward:
-        backward then adds into it in place, and the reduce-scatter needs no copy."""
-        a, b = self.layout.unit_range(u)
-        with _label(self.ctx.memory, "grad"):
-            buf = torch.zeros(b - a, dtype=self.dtype, device=self.device)  # (unit,)
-        off = self.layout.offsets()
-        for i, p in zip(self.layout.unit_params(u), self.params[u]):
-            p.grad = buf[off[i] - a : off[i + 1] - a].view(p.shape)
-        self.buffers[u] = buf
-
     def _on_grad(self, u: int, p: torch.Tensor) -> None:
         if self.ctx.memory is not None and p.grad is not None:
             self.ctx.memory.register(p.grad, "grad")  # autograd made it inside backward: label it now
@@ -190,23 +178,20 @@ class GradReducer:
     def _reduce(self, u: int) -> None:
         mem = self.ctx.memory
         a, b = self.layout.unit_range(u)
-        flat = self.buffers.pop(u, None)
-        if flat is None:
-            with _label(mem, "grad"):  # the unit's gradients, flattened: still gradients
-                flat = torch.zeros(b - a, dtype=self.dtype, device=self.device)  # (unit,)
-        off = a
-        for p in self.params[u]:
-            n = p.numel()
-            view = flat[off - a : off - a + n]
+        if self.on_unit_ready is not None:
+            self.on_unit_ready(u)  # backward is done with the unit: stage 3 frees its weights before the copy
+        with _label(mem, "grad"):  # the unit's gradients, flattened: still gradients
+            flat = torch.empty(b - a, dtype=self.dtype, device=self.device)  # (unit,)
+        offs = self.layout.offsets()  # from the layout: a freed unit's parameters are empty now
+        for i, p in zip(self.layout.unit_params(u), self.params[u]):
+            view = flat[offs[i] - a : offs[i + 1] - a]
             if p.grad is None:
                 view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():  # not (or no longer) a view of an attached buffer
+            else:
                 view.copy_(p.grad.reshape(-1))
-            off += n
-            p.grad = None  # the full gradient is gone now, not after backward
+            p.grad = None  # each full gradient is freed as soon as it is copied, not after backward
+        flat[offs[self.layout.unit_params(u).stop] - a :].zero_()  # the last unit's padding
         self.count[u] = -len(self.params[u]) - 1  # done for this pass
-        if self.on_unit_ready is not None:
-            self.on_unit_ready(u)  # backward is done with the unit (stage 3 frees its weights now)
         pieces = self.layout.pieces(u)
         with _label(mem, "comm"):
             mine = ring_reduce_scatter_pieces(self.ctx, flat, pieces, a, self.group)  # (|piece|,) summed

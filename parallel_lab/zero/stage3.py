@@ -14,8 +14,11 @@ A step, for units u = root, blocks.0, blocks.1, ... (`zero.layout.group_params`)
   in backward. That is what makes "freed" real: nothing pins the gathered bytes.
 - backward: a hook on each unit's output fires before the unit's backward: gather it
   again (usually already prefetched) and prefetch the previous unit. When the unit's last
-  gradient is accumulated, `GradReducer` reduce-scatters the unit's gradients into the
-  (S,) slice, frees the full gradients, and the unit's parameters are freed.
+  gradient is accumulated, `GradReducer` copies the unit's gradients into one buffer (each
+  freed as it is copied), the unit's parameters are freed, and the buffer is reduce-scattered
+  into the (S,) slice. The gradients are born one by one as autograd makes them: a unit-sized
+  buffer made ready before the unit's backward would sit beside the prefetched next unit and
+  raise the peak by one unit's bytes.
 - step: each rank updates its slice with its optimizer states. Nothing to all-gather:
   the next forward gathers what it needs.
 
@@ -187,7 +190,6 @@ class Zero3(ZeroBase):
         self._in_backward[u] = True
         self.reducer.ensure_callback()
         self._ensure(u)
-        self.reducer.attach(u)  # gradients land in one flat buffer, ready to reduce-scatter
         if self.prefetch:
             prev = len(self.bufs) - 1 if u == 0 else u - 1  # backward walks the units in reverse
             if prev >= 1:

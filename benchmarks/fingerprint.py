@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from _results import record
 
 from parallel_lab import comms, launch
 
@@ -49,12 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'ranks':>5} {'bytes':>9} {'checked ms':>11} {'unchecked ms':>13} {'with / without (time, lower is better)':>40}"
     )
+    rows = []
     for p in (int(r) for r in args.ranks.split(",")):
         res = launch(_time, p, args.repeats, timeout=600).values[0]
         for nbytes, med in res.items():
+            rows.append({"measure": f"ring all-reduce, fingerprint check on / off, {p} ranks, {nbytes:,} B",
+                         "ratio": med[True] / med[False], "goal": None})  # fmt: skip
             print(
                 f"{p:>5} {nbytes:>9,} {med[True] * 1e3:>11.3f} {med[False] * 1e3:>13.3f} {med[True] / med[False]:>39.2f}x"
             )
+    record("fingerprint", rows)
     return 0
 
 

@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _results import record
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_lab.models import TinyMLP
@@ -81,13 +82,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rounds, n = (3, 5) if args.quick else (7, 10)
     configs = [(64, 2, 32), (256, 2, 64), (512, 4, 64), (1024, 4, 128)]
+    print("time with / without, lower is better")
     print(f"{'hidden':>6} {'depth':>5} {'batch':>5} {'plain ms':>9} {'empty mode':>10} {'tracked':>8}")
+    rows = []
     for hidden, depth, batch in configs:
         r = measure(hidden, depth, batch, rounds, n)
+        rows.append({"measure": f"Adam step under MemoryTracker / untracked, MLP hidden {hidden}",
+                     "ratio": r["tracked"] / r["plain"], "goal": 1.3})  # fmt: skip
         print(
             f"{hidden:>6} {depth:>5} {batch:>5} {r['plain'] * 1e3:>9.2f} "
             f"{r['empty_mode'] / r['plain']:>9.2f}x {r['tracked'] / r['plain']:>7.2f}x"
         )
+
+    record("memory_overhead", rows)
 
 
 if __name__ == "__main__":

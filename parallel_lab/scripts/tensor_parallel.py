@@ -116,7 +116,7 @@ def time_mlp(ctx, d_model: int = 256, batch: int = 8, seq: int = 64, repeats: in
     collectives; "dtensor": torch's `ColwiseParallel` / `RowwiseParallel` on the same
     weights. Rounds interleave the implementations (other programs' noise hits all
     alike); each call starts after a barrier; round 0 warms up. Returns
-    {"median": {impl: s}, "ratio": {impl: t_dtensor / t_impl}} (1.0 = as fast as DTensor).
+    {"median": {impl: s}, "ratio": {impl: t_impl / t_dtensor}} (time ours / DTensor, lower is better).
     Launch with `check_shapes=False` to time the algorithms alone.
     """
     import copy
@@ -153,7 +153,7 @@ def time_mlp(ctx, d_model: int = 256, batch: int = 8, seq: int = 64, repeats: in
             if i > 0:
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = {k: med["dtensor"] / med[k] for k in impls} if "dtensor" in impls else {}
+    ratio = {k: med[k] / med["dtensor"] for k in impls} if "dtensor" in impls else {}
     return {"median": med, "ratio": ratio}
 
 

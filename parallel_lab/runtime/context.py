@@ -23,6 +23,8 @@ class RankError(RuntimeError):
 
     def __init__(self, rank: int, exc_type: str, message: str, tb: str):
         self.rank, self.exc_type, self.remote_traceback = rank, exc_type, tb
+        self.timeline: list[dict] = []  # what the ranks recorded before the failure (launch fills it)
+        self.memory: list[dict] = []
         super().__init__(
             f"rank {rank} raised {exc_type}: {message}\n\n--- traceback from rank {rank} ---\n{tb}"
         )
@@ -44,6 +46,8 @@ class LaunchTimeout(TimeoutError):
         inside: dict[int, list[str]] | None = None,
     ):
         self.stuck, self.starting = stuck, set(starting)
+        self.timeline: list[dict] = []  # what the ranks recorded before time ran out (launch fills it)
+        self.memory: list[dict] = []
         self.inside = {r: list((inside or {}).get(r, [])) for r in stuck}
         parts = [f"rank {r} {self.doing(r)}" for r in sorted(stuck)]
         waiting = [r for r in stuck if self.inside[r]]

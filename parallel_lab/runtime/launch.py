@@ -376,6 +376,11 @@ def launch(
                 view.update(timeline, memory)  # rate-limited inside: cheap when it does not draw
             if progress is not None:
                 progress.update(len(values), len(timeline))
+    except (RankError, LaunchTimeout) as e:
+        # what was recorded up to the failure: a restart can draw the lost work on one timeline
+        e.timeline = sorted(timeline, key=lambda ev: (ev["start"], ev["rank"]))
+        e.memory = sorted(memory, key=lambda m: (m["t"], m["rank"]))
+        raise
     finally:
         _reap(procs, graceful=len(values) == world_size)
         if view is not None:

@@ -27,14 +27,14 @@ def main() -> int:
         for r in data["rows"]:
             met = None if r["goal"] is None else r["ratio"] <= r["goal"]
             rows.append({"bench": data["bench"], "when": data["when"], **r, "met": met})
-    head = f"{'benchmark':<16} {'measure':<58} {'ours/theirs':>11} {'goal':>6} {'met':>5}"
+    head = f"{'benchmark':<16} {'measure':<66} {'ours/theirs':>11} {'goal':>6} {'met':>5}"
     print("\nSummary: ours / theirs, time or bytes, same run; lower is better")
     print(head)
     print("-" * len(head))
     for r in rows:
         goal = "-" if r["goal"] is None else f"<={r['goal']:g}"
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
-        print(f"{r['bench']:<16} {r['measure']:<58} {r['ratio']:>10.2f}x {goal:>6} {met:>5}")
+        print(f"{r['bench']:<16} {r['measure']:<66} {r['ratio']:>10.2f}x {goal:>6} {met:>5}")
     gated = [r for r in rows if r["met"] is not None]
     print(f"{sum(r['met'] for r in gated)} of {len(gated)} goals met")
     (RESULTS / "summary.json").write_text(json.dumps(rows, indent=1))

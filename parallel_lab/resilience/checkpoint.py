@@ -27,7 +27,6 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 

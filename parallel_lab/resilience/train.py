@@ -148,7 +148,7 @@ def train_resilient(ctx, cfg: ResilientConfig, attempt: int = 0) -> dict:
             history["rolled_back"] = rolled
             continue
         history["loss"].append(mean.item())
-        history["batches"].append(batch)
+        history["batches"].append([list(p) for p in batch])  # lists: the history goes through JSON
         step += 1
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             _save(ctx, cfg, model, zero, sampler, step, history)

@@ -128,7 +128,13 @@ def save(ctx, root: str | os.PathLike, step: int, shard: dict, meta: dict | None
             shard_name(r, ctx.world_size): {"bytes": int(row[0]), "sha256": bytes(row[1:].tolist()).hex()}
             for r, row in enumerate(every)
         }
-        manifest = {"format": FORMAT, "step": step, "world_size": ctx.world_size, "files": files, "meta": meta or {}}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": ctx.world_size,
+            "files": files,
+            "meta": meta or {},
+        }
         atomic_write(d / MANIFEST, json.dumps(manifest, indent=1).encode())
         for old, _ in complete(root)[keep:]:
             shutil.rmtree(old, ignore_errors=True)
@@ -158,7 +164,9 @@ def verify(d: str | os.PathLike) -> dict:
             raise CheckpointError(p, "missing: the manifest lists it but the file is not there")
         data = p.read_bytes()
         if len(data) != info["bytes"]:
-            raise CheckpointError(p, f"truncated or padded: {len(data)} bytes, the manifest says {info['bytes']}")
+            raise CheckpointError(
+                p, f"truncated or padded: {len(data)} bytes, the manifest says {info['bytes']}"
+            )
         if hashlib.sha256(data).hexdigest() != info["sha256"]:
             raise CheckpointError(p, "wrong checksum: the file changed after it was written")
     return manifest

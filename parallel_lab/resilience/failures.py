@@ -68,7 +68,9 @@ def young_daly_interval(checkpoint_cost: float, mtbf_seconds: float) -> float:
     return math.sqrt(2.0 * c * m)
 
 
-def expected_goodput(interval: float, checkpoint_cost: float, restart_cost: float, mtbf_seconds: float) -> float:
+def expected_goodput(
+    interval: float, checkpoint_cost: float, restart_cost: float, mtbf_seconds: float
+) -> float:
     """First-order fraction of time spent on useful work: every interval pays C, every failure
     (rate 1/M) pays the restart R plus on average half an interval of lost work."""
     t, c = _positive("interval", interval), _positive("checkpoint_cost", checkpoint_cost)

@@ -62,7 +62,9 @@ class ResilientConfig:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         if self.spike is not None and not (isinstance(self.spike, (int, float)) and self.spike > 1):
-            raise ValueError(f"spike must be None or a number > 1 (a ratio to the recent mean), got {self.spike!r}")
+            raise ValueError(
+                f"spike must be None or a number > 1 (a ratio to the recent mean), got {self.spike!r}"
+            )
 
 
 def _zero_state(zero: ZeroOptimizer) -> dict:
@@ -70,7 +72,9 @@ def _zero_state(zero: ZeroOptimizer) -> dict:
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
 
 
-def _restore(ctx, cfg: ResilientConfig, model, zero: ZeroOptimizer, sampler: ResumableSampler) -> tuple[int, dict]:
+def _restore(
+    ctx, cfg: ResilientConfig, model, zero: ZeroOptimizer, sampler: ResumableSampler
+) -> tuple[int, dict]:
     """Load the newest complete checkpoint, if any: returns (next step, history)."""
     d, manifest, skipped = ckpt.latest(cfg.root)
     for e in skipped:
@@ -136,7 +140,11 @@ def train_resilient(ctx, cfg: ResilientConfig, attempt: int = 0) -> dict:
             zero.step()
             zero.zero_grad()
         recent = history["loss"][-cfg.spike_window :]
-        if cfg.spike and len(recent) == cfg.spike_window and mean.item() > cfg.spike * sum(recent) / len(recent):
+        if (
+            cfg.spike
+            and len(recent) == cfg.spike_window
+            and mean.item() > cfg.spike * sum(recent) / len(recent)
+        ):
             # Every rank sees the same mean, so all roll back together: the update already damaged the
             # weights, so restore the last checkpoint, and remember the batch so the replay skips it.
             ctx.print(f"step {step}: loss {mean.item():.3g} > {cfg.spike:g} x the mean of the last "

@@ -20,11 +20,13 @@ from parallel_lab import RankError, launch
 from parallel_lab.models import build_model
 from parallel_lab.resilience import (
     CheckpointError,
+    FlashAgent,
     ResilientConfig,
     ResumableSampler,
     checkpoint,
     failures,
     latest,
+    leaked_segments,
     overlaps,
     read_shard,
     reshard,
@@ -58,7 +60,10 @@ def test_young_daly_interval_is_near_the_simulated_optimum():
     t_star = failures.young_daly_interval(c, m)
     assert t_star == pytest.approx(math.sqrt(2 * c * m))
     grid = [t_star * f for f in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0)]
-    good = {t: sum(failures.simulate_goodput(t, c, r, m, work=2e6, seed=s).goodput for s in range(4)) / 4 for t in grid}
+    good = {
+        t: sum(failures.simulate_goodput(t, c, r, m, work=2e6, seed=s).goodput for s in range(4)) / 4
+        for t in grid
+    }
     best = max(good, key=good.get)
     assert 0.5 * t_star <= best <= 2.0 * t_star, good
     assert good[t_star] > good[grid[0]] and good[t_star] > good[grid[-1]]  # both ends lose
@@ -118,10 +123,10 @@ def test_resharding_keeps_the_flat_order(numel):
             shards[k][: piece.numel()] = piece
         for new in range(1, 7):
             s_new = math.ceil(numel / new)
-            out = [reshard(numel, old, new, r, lambda k: {"m": shards[k]}, {"m": torch.zeros(s_new)})["m"]
+            out = [reshard(numel, old, new, r, lambda k, shards=shards: {"m": shards[k]}, {"m": torch.zeros(s_new)})["m"]
                    for r in range(new)]  # fmt: skip
             assert torch.equal(torch.cat(out)[:numel], full)
-            assert all((o[max(0, numel - r * s_new):] == 0).all() for r, o in enumerate(out))  # padding zero
+            assert all((o[max(0, numel - r * s_new) :] == 0).all() for r, o in enumerate(out))  # padding zero
 
 
 # ----------------------------------------------------------------------------- atomic checkpoints
@@ -183,7 +188,9 @@ def test_another_models_checkpoint_is_refused(tmp_path):
     launch(_one_save, 2, str(tmp_path), timeout=60)
     cfg = ResilientConfig(root=str(tmp_path))
     cfg.mlp.hidden = 16  # another model
-    with pytest.raises(RankError, match=r"made for another model: parameter 'layers.0.weight' has shape \(32, 8\)"):
+    with pytest.raises(
+        RankError, match=r"made for another model: parameter 'layers.0.weight' has shape \(32, 8\)"
+    ):
         launch(train_resilient, 2, cfg, timeout=60)
 
 
@@ -253,3 +260,54 @@ def test_a_loss_spike_is_rolled_back_and_its_batch_skipped(tmp_path):
     s = ResumableSampler(cfg.n_samples, seed=cfg.seed)
     s.load_state_dict({**s.state_dict(), "epoch": hist["skipped"][0][0], "offset": hist["skipped"][0][1]})
     assert not used & {tuple(p) for p in s.take(cfg.global_batch)}
+
+
+# ----------------------------------------------------------------------------- flash checkpoint
+def test_flash_restart_resumes_from_memory_bit_identical_and_leaves_nothing(tmp_path):
+    cfg = dict(steps=12, noise=0.01, checkpoint_every=2)
+    base = launch(train_resilient, 2, ResilientConfig(root=str(tmp_path / "base"), **cfg)).values[0]
+    with FlashAgent(2, 1 << 20, tmp_path / "flash", persist_every=4) as agent:
+        run = run_with_restarts(train_resilient, 2, ResilientConfig(root=str(tmp_path / "flash"), kill=(1, 7),
+                                                                    flash=agent.spec, **cfg), max_restarts=1)  # fmt: skip
+        assert run.values[0]["loss"] == base["loss"]
+        resumed = {e["name"] for e in run.timeline() if e["name"].startswith("resumed")}
+        assert resumed == {"resumed from step 6 (memory)"}  # the machine survived: no disk read
+        assert agent.persisted and all(s % 4 == 0 for s in agent.persisted)
+        names = agent.spec.names
+        assert all(Path("/dev/shm", n).exists() for n in names)
+    assert not any(Path("/dev/shm", n).exists() for n in names) and leaked_segments() == []
+    d, manifest, _ = latest(tmp_path / "flash")  # what the agent wrote in the background verifies
+    assert manifest["step"] == max(agent.persisted) and manifest["world_size"] == 2
+
+
+def test_a_torn_flash_copy_falls_back_to_disk(tmp_path):
+    """A rank that died in the middle of its copy leaves its segment marked "writing": the restart
+    ignores the memory copy and reads the newest complete checkpoint on disk."""
+    from parallel_lab.resilience import flash
+
+    cfg = dict(steps=8, noise=0.01, checkpoint_every=2)
+    base = launch(train_resilient, 2, ResilientConfig(root=str(tmp_path / "base"), **cfg)).values[0]
+    with FlashAgent(2, 1 << 20, tmp_path / "f", persist_every=2) as agent:
+        first = ResilientConfig(root=str(tmp_path / "f"), flash=agent.spec, **{**cfg, "steps": 6})
+        launch(train_resilient, 2, first)
+        deadline = __import__("time").perf_counter() + 10
+        while 6 not in agent.persisted and __import__("time").perf_counter() < deadline:
+            agent.persist_now()
+        seg = flash._open(agent.spec.name(1))
+        flash._HEADER.pack_into(seg.buf, 0, flash._MAGIC, flash._WRITING, -1, 0, 0)  # torn mid-copy
+        seg.close()
+        assert flash.ready_snapshot(agent.spec) is None
+        res = launch(train_resilient, 2, ResilientConfig(root=str(tmp_path / "f"), flash=agent.spec, **cfg))
+        assert res.values[0]["loss"] == base["loss"]
+        assert any(e["name"] == "resumed from step 6 (disk)" for e in res.timeline)
+    assert leaked_segments() == []
+
+
+def test_flash_snapshot_refuses_a_state_larger_than_its_segment(tmp_path):
+    from parallel_lab.resilience import snapshot
+
+    with FlashAgent(1, 4096, tmp_path) as agent:
+        with pytest.raises(
+            ValueError, match="the flash segment holds 4,096: give FlashAgent a larger capacity"
+        ):
+            snapshot(agent.spec, 0, 1, {"w": torch.zeros(10_000)}, 1)

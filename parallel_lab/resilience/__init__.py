@@ -11,6 +11,7 @@ Read in this order:
   sampler.py     a sampler whose position is saved: no sample lost or repeated after resume
   checkpoint.py  atomic files, a manifest written last, verification; RNG states
   reshard.py     an optimizer sharded over N ranks, read back on N'
+  flash.py       flash checkpoint: a copy in shared memory, persisted by the agent in the background
   train.py       ZeRO-1 training that checkpoints, resumes, and rolls back a loss spike
   elastic.py     restart after a failure, on the same ranks or fewer (torch elastic's policy)
 """
@@ -18,6 +19,7 @@ Read in this order:
 from parallel_lab.resilience.checkpoint import *  # noqa: F403
 from parallel_lab.resilience.elastic import *  # noqa: F403
 from parallel_lab.resilience.failures import *  # noqa: F403
+from parallel_lab.resilience.flash import *  # noqa: F403
 from parallel_lab.resilience.reshard import *  # noqa: F403
 from parallel_lab.resilience.sampler import *  # noqa: F403
 from parallel_lab.resilience.train import *  # noqa: F403

@@ -144,6 +144,26 @@ def save(ctx, root: str | os.PathLike, step: int, shard: dict, meta: dict | None
     return d
 
 
+def write_files(root: str | os.PathLike, step: int, shards: list[bytes], meta: dict | None = None,
+                keep: int = 2) -> Path:  # fmt: skip
+    """Write a whole checkpoint from one process (a flash checkpoint's persisting agent): the
+    ranks' serialized shards, each atomically, then the manifest. Same layout as `save`."""
+    d = step_dir(root, step)
+    d.mkdir(parents=True, exist_ok=True)
+    world = len(shards)
+    files = {}
+    for r, data in enumerate(shards):
+        files[shard_name(r, world)] = {
+            "bytes": len(data),
+            "sha256": atomic_write(d / shard_name(r, world), data),
+        }
+    manifest = {"format": FORMAT, "step": step, "world_size": world, "files": files, "meta": meta or {}}
+    atomic_write(d / MANIFEST, json.dumps(manifest, indent=1).encode())
+    for old, _ in complete(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return d
+
+
 # ----------------------------------------------------------------------------- verify and load
 def verify(d: str | os.PathLike) -> dict:
     """The manifest of checkpoint folder `d` once every file it lists has its size and checksum;
@@ -247,4 +267,5 @@ __all__ = [
     "shard_name",
     "step_dir",
     "verify",
+    "write_files",
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from parallel_lab import comms
 from parallel_lab.models import MLPConfig, build_model, synthetic_batch
 from parallel_lab.resilience import checkpoint as ckpt
+from parallel_lab.resilience import flash
 from parallel_lab.resilience.reshard import reshard
 from parallel_lab.resilience.sampler import ResumableSampler
 from parallel_lab.zero.optimizer import ZeroOptimizer
@@ -51,6 +53,7 @@ class ResilientConfig:
     spike_window: int = 4
     spike_at: int | None = None  # corrupt this step's targets (until a rollback), to cause a spike
     mlp: MLPConfig = None  # type: ignore[assignment]
+    flash: flash.FlashSpec | None = None  # set: checkpoints go to shared memory, a FlashAgent persists them
 
     def __post_init__(self) -> None:
         if self.mlp is None:
@@ -72,38 +75,61 @@ def _zero_state(zero: ZeroOptimizer) -> dict:
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
 
 
-def _restore(
-    ctx, cfg: ResilientConfig, model, zero: ZeroOptimizer, sampler: ResumableSampler
-) -> tuple[int, dict]:
-    """Load the newest complete checkpoint, if any: returns (next step, history)."""
+def _source(ctx, cfg: ResilientConfig) -> tuple[str, int, int, dict, Callable[[int], dict]] | None:
+    """Where to resume from: (kind, step, world size, meta, read(rank) -> shard), the newest of the
+    flash copy in shared memory (when the machine survived) and the newest complete disk checkpoint."""
     d, manifest, skipped = ckpt.latest(cfg.root)
     for e in skipped:
         ctx.print(f"skipped a checkpoint: {e}")
+    found = flash.ready_snapshot(cfg.flash) if cfg.flash is not None else None
+    if found is not None and (manifest is None or found[0] >= manifest["step"]):
+        cache: dict[int, dict] = {}
+
+        def read_memory(k: int) -> dict:
+            if k not in cache:
+                cache[k] = flash.read_snapshot(cfg.flash, k)[1]
+            return cache[k]
+
+        return "memory", found[0], found[1], read_memory(0)["meta"], lambda k: read_memory(k)["shard"]
     if d is None:
+        return None
+    files: dict[int, dict] = {}
+
+    def read_disk(k: int) -> dict:
+        if k not in files:
+            files[k] = ckpt.read_shard(d, k, manifest)
+        return files[k]
+
+    return "disk", manifest["step"], manifest["world_size"], {**manifest["meta"], "_dir": str(d)}, read_disk
+
+
+def _restore(
+    ctx, cfg: ResilientConfig, model, zero: ZeroOptimizer, sampler: ResumableSampler
+) -> tuple[int, dict]:
+    """Load the newest checkpoint (memory or disk): returns (next step, history)."""
+    src = _source(ctx, cfg)
+    if src is None:
         raise FileNotFoundError(f"no complete checkpoint under {cfg.root}")
-    ckpt.check_model(manifest, ckpt.model_signature(model), d)
-    meta, old_world = manifest["meta"], manifest["world_size"]
-    mine = ckpt.read_shard(d, 0, manifest)
+    kind, step, old_world, meta, read = src
+    where = meta.get("_dir", "shared memory")
+    ckpt.check_model({"meta": meta}, ckpt.model_signature(model), where)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.copy_(mine["model"][n])  # in place: the parameters are views of ZeRO's flat buffer
-    cache: dict[int, dict] = {0: mine}
-
-    def read(k: int) -> dict:
-        if k not in cache:
-            cache[k] = ckpt.read_shard(d, k, manifest)
-        return cache[k]["optim"]
-
+            p.copy_(read(0)["model"][n])  # in place: the parameters are views of ZeRO's flat buffer
     if meta["optim_has_state"]:
         like = {k: torch.zeros_like(zero.states.opt_param) for k in ("exp_avg", "exp_avg_sq")}
-        state = reshard(zero.layout.numel, old_world, ctx.world_size, ctx.rank, read, like)
-        state["step"] = read(0)["step"].clone()
+        state = reshard(
+            zero.layout.numel, old_world, ctx.world_size, ctx.rank, lambda k: read(k)["optim"], like
+        )
+        state["step"] = read(0)["optim"]["step"].clone()
         zero.optimizer.state[zero.states.opt_param] = state
     sampler.load_state_dict(meta["sampler"])
     if old_world == ctx.world_size:  # each rank's own generators; on another world size there is no "own"
-        read(ctx.rank)
-        ckpt.set_rng_state(cache[ctx.rank]["rng"])
-    return meta["step"], meta["history"]
+        ckpt.set_rng_state(read(ctx.rank)["rng"])
+    ctx.recorder.add_event(
+        f"resumed from step {step} ({kind})", "other", ctx.recorder.now(), ctx.recorder.now()
+    )
+    return step, meta["history"]
 
 
 def train_resilient(ctx, cfg: ResilientConfig, attempt: int = 0) -> dict:
@@ -165,12 +191,17 @@ def train_resilient(ctx, cfg: ResilientConfig, attempt: int = 0) -> dict:
 
 def _save(ctx, cfg: ResilientConfig, model, zero: ZeroOptimizer, sampler: ResumableSampler, step: int,
           history: dict) -> None:  # fmt: skip
+    shard = {"optim": _zero_state(zero), "rng": ckpt.rng_state()}
+    if ctx.rank == 0:  # the weights are replicated (ZeRO-1): one copy is enough
+        shard["model"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    meta = {"step": step, "sampler": sampler.state_dict(), "history": history,
+            "optim_has_state": bool(shard["optim"]), "model": ckpt.model_signature(model)}  # fmt: skip
+    if cfg.flash is not None:  # training waits for a memory copy; the agent writes the disk copy
+        with ctx.span(f"flash snapshot {step}", "memcpy"):
+            flash.snapshot(cfg.flash, ctx.rank, step, {"shard": shard, "meta": meta}, ctx.world_size)
+        comms.dist_barrier(ctx)  # a snapshot counts once every rank's copy is whole
+        return
     with ctx.span(f"checkpoint {step}", "memcpy"):
-        shard = {"optim": _zero_state(zero), "rng": ckpt.rng_state()}
-        if ctx.rank == 0:  # the weights are replicated (ZeRO-1): one copy is enough
-            shard["model"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        meta = {"step": step, "sampler": sampler.state_dict(), "history": history,
-                "optim_has_state": bool(shard["optim"]), "model": ckpt.model_signature(model)}  # fmt: skip
         ckpt.save(ctx, cfg.root, step, shard, meta)
 
 

@@ -63,6 +63,7 @@ bench: setup
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/zero.py
 	$(PY) benchmarks/tensor_parallel.py
+	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/summary.py
 
 clean:

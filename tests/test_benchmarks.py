@@ -24,6 +24,7 @@ TOY = {
     "tensor_parallel": ["--hidden", "32", "--ranks", "2", "--repeats", "1"],
     "memory_overhead": ["--quick"],
     "launch": ["--ranks", "2", "--repeats", "1", "--torchrun-repeats", "1"],
+    "checkpoint": ["--sizes", "0.05", "--rounds", "1"],
 }
 
 

@@ -12,6 +12,7 @@ Read in this order:
   checkpoint.py  atomic files, a manifest written last, verification; RNG states
   reshard.py     an optimizer sharded over N ranks, read back on N'
   flash.py       flash checkpoint: a copy in shared memory, persisted by the agent in the background
+  measure.py     how long each way of checkpointing blocks training
   train.py       ZeRO-1 training that checkpoints, resumes, and rolls back a loss spike
   elastic.py     restart after a failure, on the same ranks or fewer (torch elastic's policy)
 """
@@ -20,6 +21,7 @@ from parallel_lab.resilience.checkpoint import *  # noqa: F403
 from parallel_lab.resilience.elastic import *  # noqa: F403
 from parallel_lab.resilience.failures import *  # noqa: F403
 from parallel_lab.resilience.flash import *  # noqa: F403
+from parallel_lab.resilience.measure import *  # noqa: F403
 from parallel_lab.resilience.reshard import *  # noqa: F403
 from parallel_lab.resilience.sampler import *  # noqa: F403
 from parallel_lab.resilience.train import *  # noqa: F403

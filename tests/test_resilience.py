@@ -311,3 +311,48 @@ def test_flash_snapshot_refuses_a_state_larger_than_its_segment(tmp_path):
             ValueError, match="the flash segment holds 4,096: give FlashAgent a larger capacity"
         ):
             snapshot(agent.spec, 0, 1, {"w": torch.zeros(10_000)}, 1)
+
+
+# ----------------------------------------------------------------------------- the script under launchers
+def _script(cmd: list[str], tmp_path: Path) -> str:
+    import subprocess
+    import sys
+
+    bin_dir = Path(sys.executable).parent
+    exe = {"torchrun": str(bin_dir / "torchrun"), "accelerate": str(bin_dir / "accelerate"),
+           "python": sys.executable}[cmd[0]]  # fmt: skip
+    args = [*cmd[1:], "--root", str(tmp_path / "ck"), "--trace", str(tmp_path / "trace.json")]
+    out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_the_script_is_restarted_by_the_launchers_agent_and_resumes(launcher, tmp_path):
+    """torchrun --max-restarts (accelerate passes --max_restarts to it) restarts both ranks after one is
+    killed; they resume from the checkpoint and the losses match one process."""
+    from parallel_lab import RunResult
+
+    script = ["-m", "parallel_lab.scripts.resilience", "--kill", "1:5"]
+    if launcher == "torchrun":
+        cmd = ["torchrun", "--nproc-per-node", "2", "--max-restarts", "1", *script]
+    else:
+        cfg = Path(__file__).resolve().parents[1] / "parallel_lab" / "configs" / "accelerate_cpu.yaml"
+        cmd = ["accelerate", "launch", "--config_file", str(cfg), "--num_processes", "2", "--max_restarts", "1",
+               *script]  # fmt: skip
+    out = _script(cmd, tmp_path)
+    assert (
+        "restarts: 1; resumed from step 3 (disk)" in out and "losses match single-process training" in out
+    ), out
+    assert RunResult.load(str(tmp_path / "trace.json")).world_size == 2
+
+
+@pytest.mark.slow
+def test_the_script_without_a_launcher_shrinks_four_to_three(tmp_path):
+    out = _script(["python", "-m", "parallel_lab.scripts.resilience", "--nproc", "4", "--shrink", "--kill", "2:7"],
+                  tmp_path)  # fmt: skip
+    assert "attempt on 4 ranks failed: rank 2 raised ProcessDied" in out
+    assert "3 ranks (gloo)" in out and "last checkpoint: step 12 on 3 ranks" in out
+    assert "losses match single-process training" in out, out

@@ -205,4 +205,23 @@ def _save(ctx, cfg: ResilientConfig, model, zero: ZeroOptimizer, sampler: Resuma
         ckpt.save(ctx, cfg.root, step, shard, meta)
 
 
-__all__ = ["ResilientConfig", "train_resilient"]
+def reference_losses(cfg: ResilientConfig) -> list[float]:
+    """The same training in one process on the whole global batch of every step (torch.optim.Adam,
+    no input noise): what a resumed run's history is compared with."""
+    x_all, y_all = synthetic_batch("regression", cfg.n_samples, in_dim=cfg.mlp.in_dim, out_dim=cfg.mlp.out_dim,
+                                   seed=cfg.seed + 1)  # fmt: skip
+    model = build_model(cfg.mlp, seed=cfg.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    sampler = ResumableSampler(cfg.n_samples, seed=cfg.seed)
+    losses = []
+    for _ in range(cfg.steps):
+        idx = [i for _, i in sampler.take(cfg.global_batch)]
+        loss = F.mse_loss(model(x_all[idx]), y_all[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+__all__ = ["ResilientConfig", "reference_losses", "train_resilient"]

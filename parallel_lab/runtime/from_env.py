@@ -50,7 +50,7 @@ def run_from_env(
     # threads; one of them then frees a finished op's tensors during interpreter shutdown and the
     # rank aborts ("terminate called without an active exception"). Imported first, it holds none.
     importlib.import_module("torch._dynamo")
-    dist.init_process_group(backend, rank=rank, world_size=world_size, **mesh.group_kwargs(device))
+    dist.init_process_group(backend, **_restart_safe_store(rank, world_size), **mesh.group_kwargs(device))
     # Align clocks: every rank leaves the barrier at (nearly) the same moment.
     dist.barrier()
     t0 = time.perf_counter()
@@ -81,6 +81,21 @@ def run_from_env(
     if trace_path:
         save_trace(result, trace_path)
     return result
+
+
+def _restart_safe_store(rank: int, world_size: int) -> dict:
+    """`init_process_group` arguments that survive an elastic restart. After torchrun restarts the
+    ranks (`--max-restarts`), the rendezvous store still holds the previous attempt's keys, and gloo
+    would read the dead ranks' addresses from them ("Connection refused"). Each attempt's keys go
+    under their own prefix instead, in the same store."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt in (None, "0"):
+        return {"rank": rank, "world_size": world_size}
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store, multi_tenant=not agent_store)  # fmt: skip
+    return {"store": dist.PrefixStore(f"/parallel_lab/attempt_{attempt}", store), "rank": rank,
+            "world_size": world_size}  # fmt: skip
 
 
 def save_trace(result: RunResult, trace_path: str) -> None:

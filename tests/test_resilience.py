@@ -356,3 +356,40 @@ def test_the_script_without_a_launcher_shrinks_four_to_three(tmp_path):
     assert "attempt on 4 ranks failed: rank 2 raised ProcessDied" in out
     assert "3 ranks (gloo)" in out and "last checkpoint: step 12 on 3 ranks" in out
     assert "losses match single-process training" in out, out
+
+
+# ----------------------------------------------------------------------------- detection
+def _stuck_rank(ctx, folder):
+    import time
+
+    from parallel_lab import comms
+    from parallel_lab.resilience import Heartbeat
+
+    hb = Heartbeat(ctx, folder)
+    for step in range(100):
+        if ctx.rank == 2 and step == 3:
+            time.sleep(120)  # its own code, stuck
+        comms.dist_all_reduce(ctx, torch.ones(4))
+        hb.beat(step)
+
+
+def test_stacks_name_the_rank_that_is_not_where_the_others_are(tmp_path):
+    from parallel_lab import LaunchTimeout
+    from parallel_lab.resilience import HangWatcher, format_report
+
+    with HangWatcher(tmp_path, 4, deadline=2.0) as watcher:
+        with pytest.raises(LaunchTimeout):
+            launch(_stuck_rank, 4, str(tmp_path), timeout=15)
+    rep = watcher.report
+    assert rep is not None and rep["culprits"] == [2], rep
+    assert rep["where"][2].startswith("_stuck_rank") and "all_reduce" in rep["majority"]
+    assert rep["steps"] == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert "rank 2 is not where the others are" in format_report(rep)
+
+
+@pytest.mark.parametrize("slow, wrong, faulty", [({3: 0.4}, None, [3]), (None, {1}, [1]), (None, None, [])])
+def test_pairwise_tests_find_the_faulty_rank(slow, wrong, faulty):
+    from parallel_lab.resilience import find_faulty
+
+    res = launch(find_faulty, 4, 128, slow, wrong, timeout=120).values
+    assert all(r["faulty"] == faulty for r in res), res[0]  # every rank reaches the same verdict

@@ -15,9 +15,11 @@ Read in this order:
   measure.py     how long each way of checkpointing blocks training
   train.py       ZeRO-1 training that checkpoints, resumes, and rolls back a loss spike
   elastic.py     restart after a failure, on the same ranks or fewer (torch elastic's policy)
+  detect.py      heartbeats and stacks: who is stuck where; pairwise tests find a faulty rank
 """
 
 from parallel_lab.resilience.checkpoint import *  # noqa: F403
+from parallel_lab.resilience.detect import *  # noqa: F403
 from parallel_lab.resilience.elastic import *  # noqa: F403
 from parallel_lab.resilience.failures import *  # noqa: F403
 from parallel_lab.resilience.flash import *  # noqa: F403

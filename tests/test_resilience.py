@@ -290,9 +290,8 @@ def test_a_torn_flash_copy_falls_back_to_disk(tmp_path):
     with FlashAgent(2, 1 << 20, tmp_path / "f", persist_every=2) as agent:
         first = ResilientConfig(root=str(tmp_path / "f"), flash=agent.spec, **{**cfg, "steps": 6})
         launch(train_resilient, 2, first)
-        deadline = __import__("time").perf_counter() + 10
-        while 6 not in agent.persisted and __import__("time").perf_counter() < deadline:
-            agent.persist_now()
+        agent.persist_now()  # (the agent's thread may have written it already)
+        assert 6 in agent.persisted
         seg = flash._open(agent.spec.name(1))
         flash._HEADER.pack_into(seg.buf, 0, flash._MAGIC, flash._WRITING, -1, 0, 0)  # torn mid-copy
         seg.close()

@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def atomic_write(path: str | os.PathLike, data: bytes, fault: Callable[[str], No
     `fault(point)` is called at "written" (the temporary file complete, not yet renamed) and
     "renamed": the tests kill the process there."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # unique per writer
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

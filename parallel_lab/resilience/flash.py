@@ -204,7 +204,7 @@ class FlashAgent:
         self.spec = FlashSpec(tuple(s.name for s in self.segments), capacity)
         self.persisted: list[int] = []
         self.persist_seconds: list[float] = []
-        self._stop = threading.Event()
+        self._stop, self._lock = threading.Event(), threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True, name="parallel_lab-flash-persist")
         self._thread.start()
 
@@ -217,7 +217,12 @@ class FlashAgent:
             self.persist_now()
 
     def persist_now(self) -> int | None:
-        """Write the current snapshot to disk if every rank's is ready at one step not yet written."""
+        """Write the current snapshot to disk if every rank's is ready at one step not yet written.
+        (The agent's thread calls it; callers may too: one persist runs at a time.)"""
+        with self._lock:
+            return self._persist()
+
+    def _persist(self) -> int | None:
         found = self.ready()
         if found is None or found[0] in self.persisted or found[0] % self.persist_every:
             return None

@@ -15,7 +15,7 @@ import re
 import pytest
 from solution_code import _cells, check_cells, solution_namespace
 
-LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12"]
+LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13"]
 P = "import torch\nimport torch.distributed as dist\nfrom parallel_lab import comms\n"
 
 
@@ -213,6 +213,20 @@ def quantize(x):
     ("08", "check_row_parallel_linear", "wraps the lab's layer", P + "from parallel_lab.tensor_parallel import RowParallelLinear\nclass RowParallelLinearFn(torch.autograd.Function):\n    apply = staticmethod(lambda x, w, b, ctx, group=None: RowParallelLinear.forward(None, x))\n", "switched off"),
     ("10", "check_comm_bytes_per_layer", "wraps the lab's formula", "from parallel_lab.tensor_parallel import tp_comm_bytes_per_layer\ndef comm_bytes_per_layer(b, s, h, tp, dp, itemsize=2):\n    return {'tp': tp_comm_bytes_per_layer(b, s, h, tp, itemsize), 'dp': 0}\n", "switched off"),
     ("11", "check_dispatch_combine", "wraps the lab's layer", P + "from parallel_lab.moe import expert_parallel as ep\ndef dispatch_combine(ctx, x, expert_tokens, expert_gates, experts):\n    return ep.ExpertParallelMoE._exact(None, x)\n", "switched off"),
+    # ---- 13 fault tolerance
+    ("13", "check_atomic_write", "writes in place", "def atomic_write(path, data):\n    with open(path, 'wb') as f:\n        f.write(data)\n", "instead of the old content"),
+    ("13", "check_atomic_write", "no fsync before the rename", edit("13", "atomic_write", "        os.fsync(f.fileno())  # on disk before the name points at it\n", ""), "call os.fsync"),
+    ("13", "check_atomic_write", "copies the temporary file over",
+     "import os, shutil\ndef atomic_write(path, data):\n    tmp = path + '.tmp'\n    with open(tmp, 'wb') as f:\n        f.write(data)\n        f.flush()\n        os.fsync(f.fileno())\n    shutil.copyfile(tmp, path)\n    os.remove(tmp)\n", "instead of the old content"),
+    ("13", "check_atomic_write", "leaves its temporary file", edit("13", "atomic_write", "    os.replace(tmp, path)  # atomic: readers see the old file or the new one", "    import shutil\n    shutil.copy(tmp, path)"), "left other files"),
+    ("13", "check_atomic_write", "wraps the lab's", "from parallel_lab.resilience.checkpoint import atomic_write as ours\ndef atomic_write(path, data):\n    ours(path, data)\n", "switched off"),
+    ("13", "check_resumable_sampler", "forgets the offset", edit("13", "Sampler", 'self.epoch, self.offset = state["epoch"], state["offset"]', 'self.epoch = state["epoch"]'), "handed out twice"),
+    ("13", "check_resumable_sampler", "stops at the end of an epoch", edit("13", "Sampler", "        while len(out) < k:", "        for _ in range(1):"), "returned"),
+    ("13", "check_resumable_sampler", "reshuffles on resume", edit("13", "Sampler", "g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)", "g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, (1,))))"), "expected"),
+    ("13", "check_resumable_sampler", "wraps the lab's", "from parallel_lab.resilience.sampler import ResumableSampler\nclass Sampler(ResumableSampler):\n    pass\n", "switched off"),
+    ("13", "check_best_interval", "checkpoints too often", "def best_interval(checkpoint_cost, mtbf):\n    return (checkpoint_cost * mtbf) ** 0.5 / 4\n", "a shorter interval pays more checkpoints"),
+    ("13", "check_best_interval", "once per failure", "def best_interval(checkpoint_cost, mtbf):\n    return mtbf\n", "the best interval found reaches"),
+    ("13", "check_best_interval", "wraps the lab's", "from parallel_lab.resilience import young_daly_interval\ndef best_interval(checkpoint_cost, mtbf):\n    return young_daly_interval(checkpoint_cost, mtbf)\n", "switched off"),
     ("12", "check_error_bound", "reads the lab's scale", "import torch\nfrom parallel_lab.quantization import absmax_scale\ndef error_bound(absmax):\n    return float(absmax_scale(torch.tensor([absmax]))) / 2\n", "switched off"),
 ]  # fmt: skip
 

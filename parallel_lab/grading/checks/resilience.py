@@ -83,6 +83,9 @@ def _crashing_child(fn: Callable, path: str, data: bytes, crash: str) -> int:
             return real_rename(src, dst, *a, **k)
 
         builtins.open, io.open, os.write, os.replace, os.rename = opener, opener, os_write, replace, rename
+        glb = getattr(fn, "__globals__", {})
+        if "open" in glb:  # a notebook's own `open` (IPython puts a wrapper in the user namespace)
+            glb["open"] = opener  # (this is the child process: the learner's namespace is untouched)
         try:
             fn(path, data)
             code = 0

@@ -33,7 +33,7 @@ from parallel_lab.resilience import checkpoint as ckpt
 from parallel_lab.resilience import flash
 from parallel_lab.resilience.reshard import reshard
 from parallel_lab.resilience.sampler import ResumableSampler
-from parallel_lab.zero.optimizer import ZeroOptimizer
+from parallel_lab.zero import ZeroOptimizer
 
 
 @dataclass

@@ -21,8 +21,13 @@ import os
 import shutil
 import sys
 
-from parallel_lab.resilience import ResilientConfig, latest, run_with_restarts, train_resilient
-from parallel_lab.resilience.train import reference_losses
+from parallel_lab.resilience import (
+    ResilientConfig,
+    latest,
+    reference_losses,
+    run_with_restarts,
+    train_resilient,
+)
 from parallel_lab.runtime.from_env import run_from_env, save_trace
 
 TOL = 1e-5  # relative: the ranks sum their gradients in another order than one process does

@@ -154,7 +154,7 @@ def check_atomic_write(atomic_write: Callable) -> None:
 def check_resumable_sampler(Sampler: type) -> None:
     """`Sampler(n, seed)`: `take(k)` -> the next k (epoch, index) pairs; `state_dict`/`load_state_dict`."""
     require_callable(Sampler, "Sampler")
-    from parallel_lab.resilience.sampler import ResumableSampler as Reference
+    from parallel_lab.resilience import ResumableSampler as Reference
 
     make = guarded(Sampler, FORBIDDEN, "this exercise (Sampler)")
     for n, seed, cuts in ((10, 0, (3, 4, 7, 2, 9, 5)), (7, 3, (7, 7, 1, 6, 14)), (12, 1, (5, 5, 5, 5, 5, 5))):
@@ -187,7 +187,7 @@ def check_resumable_sampler(Sampler: type) -> None:
 def check_best_interval(best_interval: Callable) -> None:
     """`best_interval(checkpoint_cost, mtbf)` -> seconds between checkpoints, judged on a simulation."""
     require_callable(best_interval, "best_interval")
-    from parallel_lab.resilience.failures import simulate_goodput
+    from parallel_lab.resilience import simulate_goodput
 
     fn = guarded(best_interval, FORBIDDEN, "this exercise (best_interval)")
     for c, m in ((60.0, 4 * 3600.0), (5.0, 3600.0), (600.0, 24 * 3600.0)):

@@ -376,9 +376,9 @@ def test_stacks_name_the_rank_that_is_not_where_the_others_are(tmp_path):
     from parallel_lab import LaunchTimeout
     from parallel_lab.resilience import HangWatcher, format_report
 
-    with HangWatcher(tmp_path, 4, deadline=2.0) as watcher:
+    with HangWatcher(tmp_path, 4, deadline=4.0) as watcher:  # 4 s without a beat: not a busy machine's stall
         with pytest.raises(LaunchTimeout):
-            launch(_stuck_rank, 4, str(tmp_path), timeout=15)
+            launch(_stuck_rank, 4, str(tmp_path), timeout=20)
     rep = watcher.report
     assert rep is not None and rep["culprits"] == [2], rep
     assert rep["where"][2].startswith("_stuck_rank") and "all_reduce" in rep["majority"]
@@ -386,7 +386,7 @@ def test_stacks_name_the_rank_that_is_not_where_the_others_are(tmp_path):
     assert "rank 2 is not where the others are" in format_report(rep)
 
 
-@pytest.mark.parametrize("slow, wrong, faulty", [({3: 0.4}, None, [3]), (None, {1}, [1]), (None, None, [])])
+@pytest.mark.parametrize("slow, wrong, faulty", [({3: 0.8}, None, [3]), (None, {1}, [1]), (None, None, [])])
 def test_pairwise_tests_find_the_faulty_rank(slow, wrong, faulty):
     from parallel_lab.resilience import find_faulty
 

@@ -162,7 +162,7 @@ def _pair_test(ctx, group, n: int, slow: dict[int, float], wrong: set[int]) -> t
 
 
 def find_faulty(ctx, n: int = 256, slow: dict[int, float] | None = None, wrong: set[int] | None = None,
-                factor: float = 3.0, min_gap: float = 0.1) -> dict:  # fmt: skip
+                factor: float = 3.0, min_gap: float = 0.25) -> dict:  # fmt: skip
     """Two rounds of pairwise tests (world size even). Round 1 pairs (0,1), (2,3), ...; a pair that
     disagrees or takes `factor` x the median time is suspect. Round 2 pairs every rank of a suspect
     pair with a rank of a good pair; the rank whose new pair fails again is faulty. `slow`/`wrong`

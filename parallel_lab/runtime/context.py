@@ -21,12 +21,19 @@ from parallel_lab.runtime.trace import Recorder
 class RankError(RuntimeError):
     """A rank raised: carries the rank and its formatted traceback."""
 
-    def __init__(self, rank: int, exc_type: str, message: str, tb: str):
+    def __init__(self, rank: int, exc_type: str, message: str, tb: str, consequences: list[int] | tuple = ()):
         self.rank, self.exc_type, self.remote_traceback = rank, exc_type, tb
+        self.consequences = sorted(
+            consequences
+        )  # peers that failed after this rank did (their errors follow)
         self.timeline: list[dict] = []  # what the ranks recorded before the failure (launch fills it)
         self.memory: list[dict] = []
+        then = ""
+        if self.consequences:  # on a line of its own: which peers report in time varies from run to run
+            who = ", ".join(map(str, self.consequences))
+            then = f"\n(then rank{'s' if len(self.consequences) > 1 else ''} {who} failed as a consequence)"
         super().__init__(
-            f"rank {rank} raised {exc_type}: {message}\n\n--- traceback from rank {rank} ---\n{tb}"
+            f"rank {rank} raised {exc_type}: {message}{then}\n\n--- traceback from rank {rank} ---\n{tb}"
         )
 
 

@@ -68,20 +68,17 @@ def _root_cause(first: dict, q, procs, returned: set[int], later: list = ()) -> 
         take(what, msg)
     silent = sorted(dead - reported)
 
-    def then(cause: int) -> str:  # the peers that failed after the cause: consequences, not causes
-        others = sorted({e["rank"] for e in errors} - {cause})
-        if not others:
-            return ""
-        who = ", ".join(map(str, others))
-        return f" (then rank{'s' if len(others) > 1 else ''} {who} failed as a consequence)"
+    def then(cause: int) -> list[int]:  # the peers that failed after the cause: consequences, not causes
+        return sorted({e["rank"] for e in errors} - {cause})
 
     if silent:
         r = silent[0]
-        return RankError(r, "ProcessDied", f"exited with code {procs[r].exitcode} without returning" + then(r),
-                         "(no Python traceback: the process was killed, crashed or called os._exit)")  # fmt: skip
+        return RankError(r, "ProcessDied", f"exited with code {procs[r].exitcode} without returning",
+                         "(no Python traceback: the process was killed, crashed or called os._exit)",
+                         then(r))  # fmt: skip
     real = [e for e in errors if not any(s in e["message"] for s in _SECONDARY)]
     e = (real or errors)[0]
-    return RankError(e["rank"], e["type"], e["message"] + then(e["rank"]), e["traceback"])
+    return RankError(e["rank"], e["type"], e["message"], e["traceback"], then(e["rank"]))
 
 
 def _reap(procs, graceful: bool) -> None:

@@ -120,7 +120,7 @@ def save(ctx, root: str | os.PathLike, step: int, shard: dict, meta: dict | None
     torch.save(shard, buf)
     data = buf.getvalue()
     digest = atomic_write(d / shard_name(ctx.rank, ctx.world_size), data, fault)
-    mine = torch.tensor([len(data), *bytes.fromhex(digest)], dtype=torch.int64)  # (33,)
+    mine = torch.tensor([len(data), *bytes.fromhex(digest)], dtype=torch.int64, device=ctx.device)  # (33,)
     every = comms.dist_all_gather(ctx, mine)  # (world, 33): rank 0 needs them all for the manifest
     if fault is not None:
         fault("shards")

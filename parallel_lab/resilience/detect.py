@@ -150,7 +150,7 @@ def _pair_test(ctx, group, n: int, slow: dict[int, float], wrong: set[int]) -> t
     """Every rank of `group` multiplies the same (n, n) matrices; the results are all-gathered in the
     group and compared; returns (seconds, results agree)."""
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    a, b = (torch.randn(n, n, generator=g).to(ctx.device) for _ in range(2))  # (n, n) each
     t0 = time.perf_counter()
     c = a @ b  # (n, n)
     if ctx.rank in wrong:
@@ -178,7 +178,9 @@ def find_faulty(ctx, n: int = 256, slow: dict[int, float] | None = None, wrong: 
         groups = [dist.new_group(list(pr)) for pr in pairs]  # every rank creates every group, in order
         mine = next(i for i, pr in enumerate(pairs) if ctx.rank in pr)
         t, ok = _pair_test(ctx, groups[mine], n, slow, wrong)
-        rows = comms.dist_all_gather(ctx, torch.tensor([t, float(ok)]))  # (p, 2): every rank learns all
+        rows = comms.dist_all_gather(
+            ctx, torch.tensor([t, float(ok)], device=ctx.device)
+        )  # (p, 2): every rank learns all
         return {pr: (max(rows[pr[0], 0].item(), rows[pr[1], 0].item()), bool(rows[pr[0], 1] and rows[pr[1], 1]))
                 for pr in pairs}  # fmt: skip
 

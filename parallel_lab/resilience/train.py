@@ -136,8 +136,8 @@ def train_resilient(ctx, cfg: ResilientConfig, attempt: int = 0) -> dict:
     """Train `cfg.steps` steps, resuming from `cfg.root` if a checkpoint is there; returns the
     history (loss per step, the global batch of every step, the steps rolled back)."""
     x_all, y_all = synthetic_batch("regression", cfg.n_samples, in_dim=cfg.mlp.in_dim, out_dim=cfg.mlp.out_dim,
-                                   seed=cfg.seed + 1)  # fmt: skip
-    model = build_model(cfg.mlp, seed=cfg.seed)
+                                   seed=cfg.seed + 1, device=ctx.device)  # fmt: skip
+    model = build_model(cfg.mlp, seed=cfg.seed, device=ctx.device)  # collectives need ctx.device (NCCL)
     zero = ZeroOptimizer(ctx, model, stage=1, optimizer="adam", lr=cfg.lr)
     sampler = ResumableSampler(cfg.n_samples, seed=cfg.seed)
     torch.manual_seed(cfg.seed * 7919 + ctx.rank)  # each rank its own noise stream

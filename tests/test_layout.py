@@ -24,7 +24,7 @@ LAYERS = [
     {"costmodel"},
     {"data_parallel", "precision", "checkpointing", "tensor_parallel", "moe", "quantization"},
     {"zero", "pipeline"},
-    {"offload", "three_d", "resilience"},
+    {"offload", "three_d", "resilience", "inference"},
     {"grading", "scripts"},
     {"__main__", "__init__"},
 ]

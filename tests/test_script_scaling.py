@@ -60,6 +60,19 @@ def test_data_parallel_and_quantization_defaults(monkeypatch, world):
     assert kw["batch"] >= world
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("mode", ["tp", "pp"])
+def test_inference_defaults(monkeypatch, world, mode):
+    (m, heads, kv_heads, layers, prompt, _, micro), _ = _probe(
+        monkeypatch, "inference", world, ["--mode", mode]
+    )
+    assert heads % kv_heads == 0
+    if mode == "tp":
+        assert heads % world == 0 and kv_heads % world == 0
+    else:
+        assert layers % world == 0 and prompt.shape[0] % micro == 0
+
+
 @pytest.mark.parametrize("world", [8, 16])
 def test_three_d_takes_data_parallel_from_the_launcher(monkeypatch, world):
     (cfg, dims), _ = _probe(monkeypatch, "three_d", world, [])

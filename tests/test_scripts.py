@@ -2,7 +2,8 @@
 
 Each run is a real multi-process job (every rank imports torch), so this file keeps one run per
 script and launcher that other test files do not already cover: ddp, zero --offload, pipeline,
-three_d and moe under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks), mixed_precision and moe under
+three_d, moe and inference (pp) under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks),
+mixed_precision, moe and inference (tp) under
 accelerate launch with the shipped CPU config. Each script checks its own result against
 single-process training and says so on stdout; the trace it writes must load.
 """
@@ -53,6 +54,12 @@ CASES = {
         "identical weights on every rank; bytes equal the formulas",
         {"host Adam", "D2H grads"},
     ),
+    "inference-pp": (
+        2,
+        ["parallel_lab.scripts.inference", "--mode", "pp", "--microbatches", "2"],
+        "tokens match the single-process model",
+        {"prefill mb0", "decode mb1"},
+    ),
     "moe-expert-parallel": (
         4,
         ["parallel_lab.scripts.moe", "--steps", "1", "--tokens", "16"],
@@ -87,6 +94,11 @@ ACCELERATE_CASES = {
         2,
         ["parallel_lab.scripts.mixed_precision", "--steps", "4", "--overflow-at", "2"],
         "same scale: True; identical weights: True",
+    ),
+    "inference-tp": (
+        2,
+        ["parallel_lab.scripts.inference", "--mode", "tp"],
+        "tokens match the single-process model",
     ),
     "moe-expert-parallel": (
         2,

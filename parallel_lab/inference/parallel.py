@@ -29,7 +29,7 @@ from parallel_lab import comms
 from parallel_lab.comms import ring_bytes_per_rank
 from parallel_lab.inference.kv_cache import KVCache
 from parallel_lab.inference.model import ServingBlock, ServingGPT
-from parallel_lab.pipeline import split_layers
+from parallel_lab.pipeline import SendReaper, split_layers
 from parallel_lab.tensor_parallel import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -123,7 +123,7 @@ def pp_generate(ctx, model: ServingGPT, prompt: torch.Tensor, new_tokens: int, m
     mbs = list(prompt.to(ctx.device).chunk(microbatches))  # each (B/m, T0)
     caches = [KVCache() for _ in mbs]  # this stage's layers only: the cache never leaves the stage
     out: list[list[torch.Tensor]] = [[mb] for mb in mbs]
-    pending: list[comms.Handle] = []
+    reaper = SendReaper(ctx.device)  # each send is waited for on a thread: its span ends when delivered
     local_token: dict[int, torch.Tensor] = {}  # one rank holding every stage: the token stays here
     sent0 = ctx.recorder.comm_totals()["sent"]
     bm, C = mbs[0].shape[0], model.cfg.d_model
@@ -153,11 +153,10 @@ def pp_generate(ctx, model: ServingGPT, prompt: torch.Tensor, new_tokens: int, m
                         if p == 1:
                             local_token[m] = nxt
                         else:
-                            pending.append(comms.isend(ctx, nxt, 0))  # back to the first stage
+                            reaper.add(comms.isend(ctx, nxt, 0))  # back to the first stage
                 else:
-                    pending.append(comms.isend(ctx, x.contiguous(), r + 1))
-    for h in pending:
-        h.wait()
+                    reaper.add(comms.isend(ctx, x.contiguous(), r + 1))
+    reaper.join()
     return {
         "tokens": torch.cat([torch.cat(o, dim=1) for o in out]).cpu() if last else None,
         "cache_bytes": sum(c.nbytes() for c in caches),

@@ -15,7 +15,7 @@ import re
 import pytest
 from solution_code import _cells, check_cells, solution_namespace
 
-LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13"]
+LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14"]
 P = "import torch\nimport torch.distributed as dist\nfrom parallel_lab import comms\n"
 
 
@@ -227,6 +227,20 @@ def quantize(x):
     ("13", "check_best_interval", "checkpoints too often", "def best_interval(checkpoint_cost, mtbf):\n    return (checkpoint_cost * mtbf) ** 0.5 / 4\n", "a shorter interval pays more checkpoints"),
     ("13", "check_best_interval", "once per failure", "def best_interval(checkpoint_cost, mtbf):\n    return mtbf\n", "the best interval found reaches"),
     ("13", "check_best_interval", "wraps the lab's", "from parallel_lab.resilience import young_daly_interval\ndef best_interval(checkpoint_cost, mtbf):\n    return young_daly_interval(checkpoint_cost, mtbf)\n", "switched off"),
+    # ---- 14 inference
+    ("14", "check_cached_attention", "mask not shifted by the cached positions", edit("14", "cached_attention", "torch.arange(start, start + t)[:, None]", "torch.arange(t)[:, None]"), "(position 5)"),
+    ("14", "check_cached_attention", "a query cannot see its own key", edit("14", "cached_attention", "[None, :] <= torch.arange", "[None, :] < torch.arange"), "its own included"),
+    ("14", "check_cached_attention", "never stores the new keys",
+     "import math, torch\ndef cached_attention(q, k_new, v_new, cache):\n    k = k_new if cache['k'] is None else torch.cat([cache['k'], k_new], 2)\n    v = v_new if cache['v'] is None else torch.cat([cache['v'], v_new], 2)\n    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])\n    L, t = k.shape[2], q.shape[2]\n    s = s.masked_fill(torch.arange(L)[None] > torch.arange(L - t, L)[:, None], float('-inf'))\n    return s.softmax(-1) @ v\n", "append the new keys"),
+    ("14", "check_cached_attention", "wraps the lab's", "from parallel_lab.inference import causal_attention\ndef cached_attention(q, k_new, v_new, cache):\n    start = 0 if cache['k'] is None else cache['k'].shape[2]\n    import torch\n    cache['k'] = k_new if cache['k'] is None else torch.cat([cache['k'], k_new], 2)\n    cache['v'] = v_new if cache['v'] is None else torch.cat([cache['v'], v_new], 2)\n    return causal_attention(q, cache['k'], cache['v'], start)\n", "switched off"),
+    ("14", "check_cached_attention", "wraps torch's SDPA", "import torch\nimport torch.nn.functional as F\ndef cached_attention(q, k_new, v_new, cache):\n    start = 0 if cache['k'] is None else cache['k'].shape[2]\n    cache['k'] = k_new if cache['k'] is None else torch.cat([cache['k'], k_new], 2)\n    cache['v'] = v_new if cache['v'] is None else torch.cat([cache['v'], v_new], 2)\n    L, t = cache['k'].shape[2], q.shape[2]\n    mask = torch.arange(L)[None] <= torch.arange(start, start + t)[:, None]\n    return F.scaled_dot_product_attention(q, cache['k'], cache['v'], attn_mask=mask)\n", "switched off"),
+    ("14", "check_online_softmax_attention", "no running maximum",
+     "import math, torch\ndef online_softmax_attention(q, k, v, block):\n    B, H, N, d = q.shape\n    total, acc = torch.zeros(B, H, N, 1), torch.zeros(B, H, N, d)\n    for j in range(0, k.shape[2], block):\n        p = torch.exp(q @ k[:, :, j:j + block].transpose(-2, -1) / math.sqrt(d))\n        total = total + p.sum(-1, keepdim=True)\n        acc = acc + p @ v[:, :, j:j + block]\n    return acc / total\n", "inf or nan"),
+    ("14", "check_online_softmax_attention", "forgets to rescale", edit("14", "online_softmax_attention", "rescale = torch.exp(m - m_new)", "rescale = torch.ones_like(m_new)"), "rescaled"),
+    ("14", "check_online_softmax_attention", "builds the whole score matrix",
+     "import math, torch\ndef online_softmax_attention(q, k, v, block):\n    return (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1) @ v\n", "of the whole score matrix"),
+    ("14", "check_online_softmax_attention", "wraps the lab's", "from parallel_lab.inference import flash_attention\ndef online_softmax_attention(q, k, v, block):\n    return flash_attention(q, k, v, block_k=block)\n", "switched off"),
+    ("14", "check_online_softmax_attention", "wraps torch's SDPA", "import torch\ndef online_softmax_attention(q, k, v, block):\n    return torch.nn.functional.scaled_dot_product_attention(q, k, v)\n", "switched off"),
     ("12", "check_error_bound", "reads the lab's scale", "import torch\nfrom parallel_lab.quantization import absmax_scale\ndef error_bound(absmax):\n    return float(absmax_scale(torch.tensor([absmax]))) / 2\n", "switched off"),
 ]  # fmt: skip
 

@@ -22,6 +22,8 @@ runtime <- comms <- techniques <- lessons; `plots` reads the runtime's records.
   three_d/          DP x TP x PP mesh and run                                (lesson 10)
   moe/              routers, capacity, expert parallel                       (lesson 11)
   quantization/     INT8 kernels, outliers, quantized inference              (lesson 12)
+  resilience/       checkpoints, restart, elastic resume, faulty ranks       (lesson 13)
+  inference/        KV cache, paging, continuous batching, TP/PP serving     (lesson 14)
   grading/          exercise checks and the grade command
   models.py         tiny MLP and GPT, synthetic data, the single-process reference trainer
   scripts/          one entry per technique for torchrun / accelerate launch
@@ -66,6 +68,9 @@ _TECHNIQUES = {
     "ExpertParallelMoE": "moe",
     "quantize_absmax": "quantization",
     "int8_matmul": "quantization",
+    "KVCache": "inference",
+    "PagedKVCache": "inference",
+    "flash_attention": "inference",
 }
 
 

@@ -46,6 +46,8 @@ FAMILIES = {
     "1f1b": (2, "parallel_lab.scripts.pipeline --schedule 1f1b --steps 2".split(), "losses match"),
     "interleaved": (2, "parallel_lab.scripts.pipeline --schedule interleaved --steps 2".split(), "losses match"),
     "moe": (2, ["parallel_lab.scripts.moe", "--steps", "1"], "expert parallel matches the single-process layer"),
+    "inference-tp": (2, ["parallel_lab.scripts.inference", "--mode", "tp"], "tokens match the single-process model"),
+    "inference-pp": (2, ["parallel_lab.scripts.inference", "--mode", "pp"], "tokens match the single-process model"),
     "mixed_precision": (2, ["parallel_lab.scripts.mixed_precision", "--steps", "4", "--overflow-at", "2"],
                         "identical weights: True"),
     "quantization": (2, ["parallel_lab.scripts.quantization"], "matches single-process quantized inference"),

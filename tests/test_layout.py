@@ -22,7 +22,7 @@ LAYERS = [
     {"plots", "models"},
     {"comms"},
     {"costmodel"},
-    {"data_parallel", "precision", "checkpointing", "tensor_parallel", "moe", "quantization"},
+    {"data_parallel", "precision", "checkpointing", "tensor_parallel", "moe", "quantization", "compression"},
     {"zero", "pipeline"},
     {"offload", "three_d", "resilience", "inference"},
     {"grading", "scripts"},

@@ -19,6 +19,7 @@ from parallel_lab.compression import (
     Corpus,
     Pruner,
     compact_param_count,
+    deployed,
     distillation_loss,
     evaluate,
     factorize,
@@ -201,6 +202,10 @@ def test_every_compressed_model_reloads_with_the_same_outputs_and_weighs_less(co
         back = unpack(torch.load(path), like)
         with torch.no_grad():
             assert torch.allclose(back(x), m(x), atol=1e-5), name
+        with torch.no_grad():
+            assert torch.allclose(deployed(m)(x), m(x), atol=1e-5), (
+                name
+            )  # no fake quantization left, same outputs
         sizes[name] = packed_bytes(m)
         assert sizes[name] == path.stat().st_size
     dense = sizes["dense"]

@@ -2,7 +2,7 @@
 
 Each run is a real multi-process job (every rank imports torch), so this file keeps one run per
 script and launcher that other test files do not already cover: ddp, zero --offload, pipeline,
-three_d, moe and inference (pp) under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks),
+three_d, moe, inference (pp) and compression under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks),
 mixed_precision, moe and inference (tp) under
 accelerate launch with the shipped CPU config. Each script checks its own result against
 single-process training and says so on stdout; the trace it writes must load.
@@ -53,6 +53,12 @@ CASES = {
         ["parallel_lab.scripts.zero", "--offload", "--steps", "2", "--d-model", "32", "--layers", "2"],
         "identical weights on every rank; bytes equal the formulas",
         {"host Adam", "D2H grads"},
+    ),
+    "compression": (
+        2,
+        ["parallel_lab.scripts.compression", "--steps", "60", "--teacher-steps", "150"],
+        "compression table complete",
+        {"control", "4-bit qat"},
     ),
     "inference-pp": (
         2,

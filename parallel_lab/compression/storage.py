@@ -12,14 +12,15 @@ Invariant: `unpack(pack(model), like)` gives a model whose outputs equal `model`
 
 from __future__ import annotations
 
+import copy
 import io
 
 import torch
 import torch.nn as nn
 
-from parallel_lab.compression.qat import channel_scale
+from parallel_lab.compression.qat import QATLinear, channel_scale
 
-__all__ = ["pack", "packed_bytes", "unpack"]
+__all__ = ["deployed", "pack", "packed_bytes", "unpack"]
 
 
 def _codes(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,3 +102,13 @@ def packed_bytes(model: nn.Module) -> int:
     buf = io.BytesIO()
     torch.save(pack(model), buf)
     return buf.getbuffer().nbytes
+
+
+def deployed(model: nn.Module) -> nn.Module:
+    """The model as it is served: read back from its packed form into plain Linears (no fake
+    quantization left in the forward pass), weights dense in fp32."""
+    like = copy.deepcopy(model)
+    for m in like.modules():
+        if isinstance(m, QATLinear):
+            m.__class__ = nn.Linear
+    return unpack(pack(model), like)

@@ -24,6 +24,7 @@ runtime <- comms <- techniques <- lessons; `plots` reads the runtime's records.
   quantization/     INT8 kernels, outliers, quantized inference              (lesson 12)
   resilience/       checkpoints, restart, elastic resume, faulty ranks       (lesson 13)
   inference/        KV cache, paging, continuous batching, TP/PP serving     (lesson 14)
+  compression/      distillation, pruning, QAT, sharing, low rank            (lesson 15)
   grading/          exercise checks and the grade command
   models.py         tiny MLP and GPT, synthetic data, the single-process reference trainer
   scripts/          one entry per technique for torchrun / accelerate launch
@@ -71,6 +72,8 @@ _TECHNIQUES = {
     "KVCache": "inference",
     "PagedKVCache": "inference",
     "flash_attention": "inference",
+    "distillation_loss": "compression",
+    "magnitude_mask": "compression",
 }
 
 

@@ -15,7 +15,7 @@ import re
 import pytest
 from solution_code import _cells, check_cells, solution_namespace
 
-LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14"]
+LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15"]
 P = "import torch\nimport torch.distributed as dist\nfrom parallel_lab import comms\n"
 
 
@@ -241,6 +241,19 @@ def quantize(x):
      "import math, torch\ndef online_softmax_attention(q, k, v, block):\n    return (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1) @ v\n", "of the whole score matrix"),
     ("14", "check_online_softmax_attention", "wraps the lab's", "from parallel_lab.inference import flash_attention\ndef online_softmax_attention(q, k, v, block):\n    return flash_attention(q, k, v, block_k=block)\n", "switched off"),
     ("14", "check_online_softmax_attention", "wraps torch's SDPA", "import torch\ndef online_softmax_attention(q, k, v, block):\n    return torch.nn.functional.scaled_dot_product_attention(q, k, v)\n", "switched off"),
+    # ---- 15 compression
+    ("15", "check_magnitude_mask", "prunes the largest", edit("15", "magnitude_mask", "largest=False", "largest=True"), "prune the smallest magnitudes"),
+    ("15", "check_magnitude_mask", "ranks by value, not magnitude", edit("15", "magnitude_mask", "weight.abs().flatten()", "weight.flatten()"), "prune the smallest magnitudes"),
+    ("15", "check_magnitude_mask", "truncates the count", edit("15", "magnitude_mask", "k = round(sparsity * weight.numel())", "k = int(sparsity * weight.numel())"), "weights pruned, expected round"),
+    ("15", "check_magnitude_mask", "wraps torch's pruning",
+     "import torch.nn as nn\nimport torch.nn.utils.prune as P\ndef magnitude_mask(weight, sparsity):\n    m = nn.Module()\n    m.weight = nn.Parameter(weight.clone())\n    P.l1_unstructured(m, 'weight', amount=sparsity)\n    return m.weight_mask.bool()\n", "switched off"),
+    ("15", "check_magnitude_mask", "wraps the lab's", "from parallel_lab.compression import magnitude_mask as ours\ndef magnitude_mask(weight, sparsity):\n    return ours(weight, sparsity)\n", "switched off"),
+    ("15", "check_distillation_loss", "no T squared", edit("15", "distillation_loss", "alpha * T * T * kl", "alpha * kl"), "missing its factor T²"),
+    ("15", "check_distillation_loss", "KL the wrong way round", edit("15", "distillation_loss", "(log_pt.exp() * (log_pt - log_ps))", "(log_ps.exp() * (log_ps - log_pt))"), "expected"),
+    ("15", "check_distillation_loss", "teacher not softened", edit("15", "distillation_loss", "F.log_softmax(teacher_logits / T, dim=-1)", "F.log_softmax(teacher_logits, dim=-1)"), "expected"),
+    ("15", "check_distillation_loss", "summed over rows", edit("15", "distillation_loss", ".sum(dim=-1).mean()", ".sum()"), "expected"),
+    ("15", "check_distillation_loss", "student detached", edit("15", "distillation_loss", "F.log_softmax(student_logits / T, dim=-1)", "F.log_softmax(student_logits.detach() / T, dim=-1)"), "gradient"),
+    ("15", "check_distillation_loss", "wraps the lab's", "from parallel_lab.compression import distillation_loss as ours\ndef distillation_loss(s, t, y, temperature, alpha):\n    return ours(s, t, y, temperature, alpha)\n", "switched off"),
     ("12", "check_error_bound", "reads the lab's scale", "import torch\nfrom parallel_lab.quantization import absmax_scale\ndef error_bound(absmax):\n    return float(absmax_scale(torch.tensor([absmax]))) / 2\n", "switched off"),
 ]  # fmt: skip
 

@@ -8,7 +8,7 @@ loss of a small language model, together with its size on disk and its CPU laten
 
 Read in this order:
   task.py     the task: a second-order token source, training, held-out loss, latency
-  distill.py  the distillation loss and a student trained on a teacher
+  distillation.py  the distillation loss and a student trained on a teacher
   pruning.py  magnitude masks, the cubic schedule, 2:4 sparsity, prune-and-fine-tune
   qat.py      fake quantization with a straight-through estimator; post-training rounding
   sharing.py  ALBERT's shared blocks and factorized embedding
@@ -16,7 +16,7 @@ Read in this order:
   storage.py  what each compressed model weighs on disk, and reading it back
 """
 
-from parallel_lab.compression.distill import *  # noqa: F403
+from parallel_lab.compression.distillation import *  # noqa: F403
 from parallel_lab.compression.lowrank import *  # noqa: F403
 from parallel_lab.compression.pruning import *  # noqa: F403
 from parallel_lab.compression.qat import *  # noqa: F403

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import re
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -37,7 +38,13 @@ def doctor(args: argparse.Namespace) -> int:
         ("backend", backend),
         ("cpu cores", str(mesh.cpu_cores())),
         ("gpus", f"{len(gpus)}" + (": " + ", ".join(gpus) if gpus else "")),
-        ("nccl", "available" if torch.distributed.is_nccl_available() else "not available"),
+        (
+            "cuda",
+            f"{torch.version.cuda} (this torch build)"
+            if torch.version.cuda
+            else "none (a CPU build of torch)",
+        ),
+        ("nccl", _nccl()),
         ("gloo", "available" if torch.distributed.is_gloo_available() else "not available"),
         ("jupyterlab", _version("jupyterlab")),
         ("ipywidgets", _version("ipywidgets")),
@@ -47,10 +54,50 @@ def doctor(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+    plan = lesson_backends(len(gpus))
+    if plan:
+        print("\nlessons (the most ranks a cell launches -> the backend launch(backend='auto') picks):")
+        for name, ranks, chosen in plan:
+            print(f"  {name:<26} {ranks:>2} ranks  {chosen}")
     missing = [k for k, v in rows if v.startswith("not installed")]
     if missing:
         print(f"\nmissing: {', '.join(missing)} -> pip install -e '.[lab]'")
     return 0
+
+
+def _nccl() -> str:
+    import torch
+
+    if not torch.distributed.is_nccl_available():
+        return "not available (no CUDA in this torch build: gloo on CPU)"
+    try:
+        v = torch.cuda.nccl.version()  # reads the linked library's version; creates no CUDA context
+    except Exception as e:  # noqa: BLE001 - report, do not fail the doctor
+        return f"available (version unknown: {e})"
+    return "available, version " + (".".join(map(str, v)) if isinstance(v, tuple) else str(v))
+
+
+_LAUNCH = re.compile(r"\blaunch(?:_learner)?\(\s*[\w.]+\s*,\s*(\d+)")
+
+
+def lesson_backends(gpus: int, folder: Path | None = None) -> list[tuple[str, int, str]]:
+    """(lesson, most ranks one of its cells launches, backend) for each lesson notebook: NCCL when
+    every rank can have its own GPU, gloo otherwise (what `launch(backend="auto")` does)."""
+    folder = folder or REPO / "notebooks"
+    out = []
+    for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
+        code = "\n".join("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "code")
+        ranks = max((int(n) for n in _LAUNCH.findall(code)), default=0)
+        if not ranks:
+            continue
+        chosen = (
+            "nccl (one GPU per rank)"
+            if 0 < ranks <= gpus
+            else "gloo" + (f" (needs {ranks} GPUs for nccl)" if gpus else " (CPU)")
+        )
+        out.append((path.stem, ranks, chosen))
+    return out
 
 
 def _title(path: Path) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,7 +59,12 @@ def run_from_env(
         rank, world_size, local_rank or 0, backend, t0, seed, None, check_shapes, track_memory, device=device
     )
     start = time.perf_counter()
-    value = _run_fn(ctx, fn, args, kwargs)
+    try:
+        value = _run_fn(ctx, fn, args, kwargs)
+    except Exception as e:
+        if _peer_gone(e):
+            _say_peer_gone(ctx, e)
+        raise
     wall = time.perf_counter() - start
     rec = ctx.recorder
     gathered: list[Any] = [None] * world_size
@@ -81,6 +87,31 @@ def run_from_env(
     if trace_path:
         save_trace(result, trace_path)
     return result
+
+
+# What gloo and the TCP store say when the other end of a connection is gone (its process or node died).
+_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Failed to recv|Connection refused|"
+                   r"Socket Timeout|connection.*closed", re.IGNORECASE)  # fmt: skip
+
+
+def _peer_gone(e: BaseException) -> bool:
+    return isinstance(e, RuntimeError) and bool(_GONE.search(str(e)))
+
+
+def _say_peer_gone(ctx, e: BaseException) -> None:
+    """One line a learner can act on, before torch's traceback: which rank, where, and what it means."""
+    import sys
+
+    node = os.environ.get("GROUP_RANK", "?")
+    where = getattr(ctx.recorder, "last_comm", None)
+    print(
+        f"parallel_lab: rank {ctx.rank} of {ctx.world_size} (node {node}, local rank {ctx.local_rank}) lost a peer"
+        f"{f' during {where}' if where else ''}: {str(e).splitlines()[0][:160]}. Another rank stopped (its process "
+        "or its machine died), and a collective cannot finish without every rank; this rank stops too. "
+        "torchrun --max-restarts N restarts every node, and a script that checkpoints resumes (lesson 13).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _restart_safe_store(rank: int, world_size: int) -> dict:

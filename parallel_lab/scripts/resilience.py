@@ -28,7 +28,7 @@ from parallel_lab.resilience import (
     run_with_restarts,
     train_resilient,
 )
-from parallel_lab.runtime.from_env import run_from_env, save_trace
+from parallel_lab.runtime.from_env import round_up, run_from_env, save_trace, scaled_default
 
 TOL = 1e-5  # relative: the ranks sum their gradients in another order than one process does
 
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         "--root", default="runs/resilience", help="checkpoint folder (emptied at the first attempt)"
     )
     ap.add_argument("--trace", default="runs/resilience.json", help="where rank 0 writes the trace")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="global batch (default 12, or the next multiple of the ranks above 4)")  # fmt: skip
     ap.add_argument("--nproc", type=int, default=2, help="ranks to start when run without a launcher")
     ap.add_argument("--max-restarts", type=int, default=1, help="without a launcher: restarts allowed")
     ap.add_argument("--shrink", action="store_true", help="without a launcher: restart on one rank fewer")
@@ -57,13 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.every < 1:
         ap.error(f"--steps and --every must be >= 1, got {args.steps} and {args.every}")
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    if 12 % world:
-        ap.error(f"the global batch (12) must divide by the number of ranks, got {world}")
+    batch = scaled_default("--batch", args.batch, world, lambda w: 12 if 12 % w == 0 else round_up(12, w))
+    if batch % world or (args.shrink and batch % (world - 1)):
+        ap.error(f"the global batch ({batch}) must divide by the number of ranks ({world})"
+                 + (f" and by {world - 1} after shrinking" if args.shrink else ""))  # fmt: skip
     if args.kill is not None and not (0 <= args.kill[0] < world and 0 <= args.kill[1] < args.steps):
         ap.error(
             f"--kill {args.kill[0]}:{args.kill[1]}: the rank must be below {world}, the step below {args.steps}"
         )
-    cfg = ResilientConfig(root=args.root, steps=args.steps, checkpoint_every=args.every, kill=args.kill)
+    cfg = ResilientConfig(
+        root=args.root, steps=args.steps, checkpoint_every=args.every, kill=args.kill, global_batch=batch
+    )
     if "RANK" in os.environ:  # under a launcher: its agent restarts us; the count says which attempt this is
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if attempt == 0 and os.environ["RANK"] == "0":

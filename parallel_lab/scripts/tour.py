@@ -46,11 +46,11 @@ def tour_steps(ctx, steps: int = 3, batch: int = 64, hidden: int = 256) -> dict:
     return {"loss": loss.item(), "checksum": round(checksum, 6)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--trace", default="runs/tour.json", help="where rank 0 writes the trace")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from parallel_lab.runtime.from_env import run_from_env
 
     result = run_from_env(tour_steps, steps=args.steps, trace_path=args.trace)
@@ -60,7 +60,8 @@ def main() -> None:
             f"{result.world_size} ranks, {args.steps} steps, identical weights on all ranks: {len(sums) == 1}"
         )
         print(f"trace written to {args.trace} ({len(result.timeline)} spans)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

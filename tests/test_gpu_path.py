@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -171,3 +172,63 @@ def test_device_marks_wait_for_resolve():
     rec.resolve()
     assert rec.events[0]["start"] == rec.events[0]["end"] == 1.5
     assert rec.events[0]["args"]["clock"] == "cuda_event"
+
+
+#: Where a literal "cpu" device is right, and why. Anything else is a rank's tensor pinned to the
+#: host, which works on gloo and breaks under NCCL (one GPU per rank).
+HOST_ON_PURPOSE = {
+    "runtime/device.py": "the one place that chooses devices",
+    "runtime/memory.py": "a tracker made outside a rank, with no device given, watches the host",
+    "pipeline/executor.py": "the send reaper's default when no device is given (ranks pass ctx.device)",
+    "comms/builtin.py": "the comm thread's default when no device is given (ranks pass ctx.device)",
+    "precision/mixed.py": "the found-inf flag of an optimizer with no gradients and no context",
+    "offload/streaming.py": "offloading keeps the weights in host memory by design",
+    "offload/host_optimizer.py": "ZeRO-Offload's optimizer runs on the host by design",
+    "grading/checks/moe.py": "a check's reference experts, computed in the grading process",
+}
+
+
+def _hard_coded(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Attribute) and node.func.attr == "cuda":
+                found.append((node.lineno, ".cuda()"))
+            values = [*node.args, *(k.value for k in node.keywords if k.arg in (None, "device"))]
+            if any(isinstance(v, ast.Constant) and v.value == "cpu" for v in values):
+                found.append((node.lineno, '"cpu" passed as a device'))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.args[len(node.args.args) - len(node.args.defaults) :]
+            for a, d in zip(args + node.args.kwonlyargs, node.args.defaults + node.args.kw_defaults):
+                if a.arg == "device" and isinstance(d, ast.Constant) and d.value == "cpu":
+                    found.append((node.lineno, 'device="cpu" as a default'))
+    return found
+
+
+def test_no_hard_coded_devices():
+    """No `.cuda()` and no literal "cpu" device outside the files that need one (each with its reason)."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = str(path.relative_to(PKG))
+        if rel in HOST_ON_PURPOSE:
+            continue
+        bad += [f"{rel}:{line}: {what}" for line, what in _hard_coded(ast.parse(path.read_text()))]
+    assert not bad, "hard-coded devices:\n" + "\n".join(bad)
+    # the scan finds what it is for
+    sample = ast.parse('x.cuda()\ntorch.zeros(3, device="cpu")\ny.to("cpu")\ndef f(device="cpu"): pass\n')
+    assert sorted(_hard_coded(sample)) == [
+        (1, ".cuda()"), (2, '"cpu" passed as a device'), (3, '"cpu" passed as a device'), (4, 'device="cpu" as a default')
+    ]  # fmt: skip
+
+
+def test_doctor_reports_the_gpu_path(capsys):
+    from parallel_lab.__main__ import doctor, lesson_backends
+
+    doctor(None)
+    out = capsys.readouterr().out
+    for field in ("cuda", "nccl", "gpus", "backend", "lessons"):
+        assert re.search(rf"^\s*{field}\b", out, re.M), f"doctor does not report {field}:\n{out}"
+    plan = {name: (ranks, chosen) for name, ranks, chosen in lesson_backends(8)}
+    assert plan["10_three_d"] == (8, "nccl (one GPU per rank)")
+    assert lesson_backends(2)[0][2].startswith("gloo (needs")
+    assert all(chosen.startswith("gloo") for _, _, chosen in lesson_backends(0))

@@ -15,7 +15,7 @@ import re
 import pytest
 from solution_code import _cells, check_cells, solution_namespace
 
-LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15"]
+LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15", "16"]
 P = "import torch\nimport torch.distributed as dist\nfrom parallel_lab import comms\n"
 
 
@@ -254,6 +254,12 @@ def quantize(x):
     ("15", "check_distillation_loss", "summed over rows", edit("15", "distillation_loss", ".sum(dim=-1).mean()", ".sum()"), "expected"),
     ("15", "check_distillation_loss", "student detached", edit("15", "distillation_loss", "F.log_softmax(student_logits / T, dim=-1)", "F.log_softmax(student_logits.detach() / T, dim=-1)"), "gradient"),
     ("15", "check_distillation_loss", "wraps the lab's", "from parallel_lab.compression import distillation_loss as ours\ndef distillation_loss(s, t, y, temperature, alpha):\n    return ours(s, t, y, temperature, alpha)\n", "switched off"),
+    # ---- 16 scaling out
+    ("16", "check_multinode_all_reduce", "flat ring at NVLink speed", edit("16", "allreduce_seconds", "return 2 * (p - 1) * nbytes / p / inter_bw", "return 2 * (p - 1) * nbytes / p / intra_bw"), "slowest link"),
+    ("16", "check_multinode_all_reduce", "the network carries everything", edit("16", "allreduce_seconds", "across = 2 * (n - 1) * (nbytes / g) / n / inter_bw", "across = 2 * (n - 1) * nbytes / n / inter_bw"), "1/g shard"),
+    ("16", "check_multinode_all_reduce", "no phases inside the node", edit("16", "allreduce_seconds", "return 2 * inside + across", "return across"), "reduce-scatter and an all-gather"),
+    ("16", "check_multinode_all_reduce", "one node over the network", edit("16", "allreduce_seconds", "return 2 * (g - 1) * nbytes / g / intra_bw", "return 2 * (g - 1) * nbytes / g / inter_bw"), "inside the node"),
+    ("16", "check_multinode_all_reduce", "wraps the lab's", "from parallel_lab.comms import multinode_all_reduce_seconds as ours\ndef allreduce_seconds(nbytes, nodes, gpus_per_node, intra_bw, inter_bw, hierarchical):\n    return ours(nbytes, nodes, gpus_per_node, intra_bw, inter_bw, 0.0, hierarchical)\n", "switched off"),
     ("12", "check_error_bound", "reads the lab's scale", "import torch\nfrom parallel_lab.quantization import absmax_scale\ndef error_bound(absmax):\n    return float(absmax_scale(torch.tensor([absmax]))) / 2\n", "switched off"),
 ]  # fmt: skip
 

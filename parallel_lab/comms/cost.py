@@ -84,3 +84,27 @@ def alpha_beta_seconds(algorithm: str, nbytes: int, world_size: int, alpha: floa
     if algorithm == "tree":
         return 2 * math.ceil(math.log2(p)) * (alpha + nbytes / bandwidth)
     raise ValueError(f"algorithm must be 'ring' or 'tree', got {algorithm!r}")
+
+
+def multinode_all_reduce_seconds(nbytes: int, nodes: int, gpus_per_node: int, intra_bw: float, inter_bw: float,
+                                 alpha: float = 0.0, hierarchical: bool = True) -> float:  # fmt: skip
+    """Alpha-beta time of an all-reduce over nodes x gpus_per_node ranks (Thakur et al. 2005; NCCL).
+
+    Flat ring over every rank: the ring crosses the network between nodes, so every step runs at
+    the slowest link, 2(p-1) steps of nbytes/p at `inter_bw`. Hierarchical (reduce-scatter inside
+    each node, all-reduce of each 1/g shard across the nodes, all-gather inside the node): the
+    network carries only the 1/g shards, 2(n-1)/n of nbytes/g per GPU at `inter_bw` per GPU.
+    `intra_bw` and `inter_bw` are bytes/s per GPU (NVLink; the node's network share of one GPU).
+    """
+    g, n = gpus_per_node, nodes
+    if g < 1 or n < 1:
+        raise ValueError(f"nodes and gpus_per_node must be >= 1, got {nodes} and {gpus_per_node}")
+    if n == 1:
+        return alpha_beta_seconds("ring", nbytes, g, alpha, intra_bw)
+    if not hierarchical:
+        return alpha_beta_seconds("ring", nbytes, n * g, alpha, inter_bw)
+    inside = (g - 1) * (
+        alpha + nbytes / g / intra_bw
+    )  # a reduce-scatter (and later an all-gather) in the node
+    across = alpha_beta_seconds("ring", nbytes / g, n, alpha, inter_bw)
+    return 2 * inside + across

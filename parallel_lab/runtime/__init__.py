@@ -19,6 +19,7 @@ Read in this order:
   memory.py        MemoryTracker: live bytes by category
   memory_state.py  model-state bytes measured by one real step (also on `meta`)
   overlap.py       per-layer backward spans and the share of communication hidden under them
+  cluster.py       a lesson script as a submitit job (Slurm, or local processes): lesson 16
   parallel_dims.py ParallelDims: a DP x TP x PP mesh of ranks and its process groups (pipelines
                    and 3D runs are handed one; lesson 10 explains it)
 

@@ -128,3 +128,24 @@ def test_launch_from_a_parent_that_touched_cuda():
 def test_exercise_checks_on_gpus(lesson):
     out = _run([sys.executable, "-m", "parallel_lab", "grade", str(REPO / "solutions" / lesson)])
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+
+
+def _allocate_and_sample(ctx):
+    import torch
+
+    x = torch.randn(1024, 1024, device=ctx.device)  # 4 MiB on this rank's GPU
+    ctx.recorder.sample_memory("after a 4 MiB tensor")
+    return {"max_allocated": torch.cuda.max_memory_allocated(ctx.device), "numel": x.numel()}
+
+
+def test_memory_samples_carry_the_cuda_allocator():
+    """On a GPU the same memory samples also hold the caching allocator's counts, which plot_memory
+    draws; the tracker's categories never exceed what the allocator handed out."""
+    from parallel_lab import launch
+
+    r = launch(_allocate_and_sample, 2, track_memory=True, backend="nccl")
+    dev = [s for s in r.memory if s.get("device")]
+    assert {s["rank"] for s in dev} == {0, 1}
+    for s in dev:
+        assert s["device"]["allocated"] >= sum(s["bytes"].values())
+    assert all(v["max_allocated"] >= 4 * 2**20 for v in r.values)

@@ -492,3 +492,29 @@ def test_live_view_in_a_notebook_leaves_exactly_one_image():
 def test_plots_module_exports():
     assert all(hasattr(plots, name) for name in plots.__all__)
     assert plots.LiveRunView is plots_live.LiveRunView
+
+
+def test_memory_plot_draws_the_cuda_allocator_when_samples_carry_it():
+    """One interface: samples from a CUDA rank carry the caching allocator's counts ("device", as
+    `MemoryTracker.cross_check` gives them) and the same plot_memory call draws them over the
+    categories; CPU samples draw none."""
+    import matplotlib.pyplot as plt
+
+    from parallel_lab.plots import plot_memory
+
+    def sample(t, params, act, device=None):
+        s = {"rank": 0, "t": t, "label": "", "bytes": {"param": params, "activation": act}}
+        if device:
+            s["device"] = device
+        return s
+
+    cuda = [sample(0.0, 100, 0, {"allocated": 512, "reserved": 2048, "max_allocated": 512}),
+            sample(0.1, 100, 300, {"allocated": 1024, "reserved": 4096, "max_allocated": 1024})]  # fmt: skip
+    fig = plot_memory(cuda)
+    labels = {line.get_label() for line in fig.axes[0].lines}
+    assert {"CUDA allocator: allocated", "CUDA allocator: reserved"} <= labels
+    assert fig.axes[0].get_ylim()[1] * 1024 >= 4096  # the axis holds the reserved bytes
+    plt.close(fig)
+    fig = plot_memory([sample(0.0, 100, 0), sample(0.1, 100, 300)])
+    assert not any("CUDA" in line.get_label() for line in fig.axes[0].lines)
+    plt.close(fig)

@@ -267,6 +267,8 @@ def _sample(s: Any) -> dict:
     }
     if s.get("high_water") is not None:  # the highest total since the sample before
         out["high_water"] = int(s["high_water"])
+    if isinstance(s.get("device"), dict):  # CUDA: the caching allocator's own counts
+        out["device"] = {str(k): int(v) for k, v in s["device"].items()}
     return out
 
 

@@ -101,8 +101,10 @@ def draw_memory(
     # a sample's "high_water" is the highest total since the sample before: peaks between samples
     totals = {r: max((max(sum(s["bytes"].values()), s.get("high_water") or 0) for s in by_rank[r]), default=0)
               for r in ranks}  # fmt: skip
-    scale, uname = byte_unit(max([*totals.values(), *pred.values(), 0]), unit)
-    top = max([*totals.values(), *pred.values(), 0]) / scale
+    # on CUDA each sample also carries the caching allocator's own counts: the axis must hold them too
+    device_top = max((s["device"].get("reserved", 0) for s in samples if s.get("device")), default=0)
+    scale, uname = byte_unit(max([*totals.values(), *pred.values(), device_top, 0]), unit)
+    top = max([*totals.values(), *pred.values(), device_top, 0]) / scale
     t_first = min((s["t"] for s in samples), default=0.0) * 1e3
     # Each sample holds until the next; the last one gets a little width of its own, or
     # a peak taken at the very end would be drawn zero-wide.
@@ -134,6 +136,14 @@ def draw_memory(
                     t[:-1], hw, where="pre", color="#333333", lw=0.7, label="highest between samples"
                 )
                 handles["highest between samples"] = hl
+            if any(s.get("device") for s in rs):  # CUDA: what the allocator handed out, and what it holds
+                for key, label, style in (("allocated", "CUDA allocator: allocated", "-"),
+                                          ("reserved", "CUDA allocator: reserved", ":")):  # fmt: skip
+                    ys_dev = [(s.get("device") or {}).get(key, 0) / scale for s in rs]
+                    (dl,) = a.step(
+                        t[:-1], ys_dev, where="post", color="#8B0000", lw=1.0, ls=style, label=label
+                    )
+                    handles[label] = dl
         else:
             a.text(
                 0.5, 0.5, "no memory samples", transform=a.transAxes, ha="center", va="center", color="gray"

@@ -24,7 +24,7 @@ LAYERS = [
     {"costmodel"},
     {"data_parallel", "precision", "checkpointing", "tensor_parallel", "moe", "quantization", "compression"},
     {"zero", "pipeline"},
-    {"offload", "three_d", "resilience", "inference"},
+    {"offload", "three_d", "resilience", "inference", "context_parallel"},
     {"grading", "scripts"},
     {"__main__", "__init__"},
 ]

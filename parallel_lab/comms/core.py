@@ -95,6 +95,16 @@ def _size_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def group_size_rank(ctx, group=None) -> tuple[int, int]:
+    """(size, this rank's index) of the group a comms call with this `group` would use."""
+    return _size_rank(_group(ctx, group))
+
+
+def global_rank(ctx, group, r: int) -> int:
+    """The global rank of group rank `r` (for labels: a trace names global ranks)."""
+    return _global(_group(ctx, group), r)
+
+
 def _global(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
@@ -168,6 +178,22 @@ def check_same_shape(ctx, tensor: torch.Tensor, name: str, group=None, op: str |
             f"{name}: the ranks made different calls ({desc}); every rank must call the same collective "
             "with the same reduce op, root, shape and dtype"
         )
+
+
+def gather_values(ctx, values: Sequence[int], group=None) -> list[list[int]]:
+    """Every rank's `values` (a few ints, as many on every rank), in group-rank order.
+
+    For agreement checks a shape cannot carry (a layout flag, a local error code): every rank sees
+    every rank's values, so every rank can raise the same error instead of one raising while its
+    peers wait in the next collective. Not traced: it is plumbing, like the shape check."""
+    group = _group(ctx, group)
+    p, _ = _size_rank(group)
+    if p == 1:
+        return [list(values)]
+    mine = torch.tensor(list(values), dtype=torch.int64, device=getattr(ctx, "device", None) or "cpu")
+    every = [torch.empty_like(mine) for _ in range(p)]
+    _metadata_all_gather(every, mine, group=group)
+    return [e.tolist() for e in every]
 
 
 def _same_everywhere(h: int, group, device) -> bool:

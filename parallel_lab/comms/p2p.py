@@ -74,4 +74,25 @@ def irecv(ctx, tensor: torch.Tensor, src: int, group=None) -> Handle:
     return _ip2p(ctx, "irecv", tensor, src, group, False)
 
 
-__all__ = ["irecv", "isend", "recv", "send", "sendrecv"]
+def isendrecv(ctx, send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int, group=None) -> Handle:
+    """Start sending `send_t` to `dst` and receiving into `recv_t` from `src`, posted together (one
+    batch, as `sendrecv`); `.wait()` returns `recv_t`. Work done between the call and the wait
+    overlaps the transfer: ring attention computes on one key/value block while the next arrives."""
+    for t, what in ((send_t, "send_t"), (recv_t, "recv_t")):
+        check_device(ctx, t, what)
+    g = _group(ctx, group)
+    p, _ = _size_rank(g)
+    _check_rank("dst", dst, p)
+    _check_rank("src", src, p)
+    works = post_p2p(g, sends=[(send_t, dst)], recvs=[(recv_t, src)])
+    args = {
+        "op": "isendrecv",
+        "numel": send_t.numel(),
+        "dtype": str(send_t.dtype).replace("torch.", ""),
+        "peers": sorted({_global(g, dst), _global(g, src)}),
+    }
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    return Handle(ctx, "isendrecv", works, args, nbytes(send_t), nbytes(recv_t), recv_t)
+
+
+__all__ = ["irecv", "isend", "isendrecv", "recv", "send", "sendrecv"]

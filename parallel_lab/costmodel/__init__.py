@@ -11,8 +11,10 @@ Read in this order:
   formulas.py  pure arithmetic: one function per formula, each naming its source
   planner.py   memory per GPU and step time per layout, built on formulas.py
   serving.py   inference: 2N FLOPs per token, KV-cache bytes, a server's memory budget (lesson 14)
+  context.py   context parallelism: ring and all-to-all attention bytes per layer (lesson 17)
 """
 
+from parallel_lab.costmodel.context import *  # noqa: F403
 from parallel_lab.costmodel.formulas import *  # noqa: F403
 from parallel_lab.costmodel.planner import *  # noqa: F403
 from parallel_lab.costmodel.serving import *  # noqa: F403

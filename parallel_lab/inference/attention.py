@@ -25,7 +25,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_attention", "flash_attention", "naive_attention", "repeat_kv"]
+__all__ = [
+    "attention_lse",
+    "causal_attention",
+    "flash_attention",
+    "merge_attention",
+    "naive_attention",
+    "repeat_kv",
+]
 
 
 def repeat_kv(k: torch.Tensor, groups: int) -> torch.Tensor:
@@ -59,40 +66,71 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return F.softmax(s, dim=-1) @ v  # (B, H, N, hd)
 
 
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  causal_offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One block of attention and its log-sum-exp, the partial result that `merge_attention` combines.
+
+    q (B, H, n, d), k and v (B, H, m, d). With `causal_offset` c, query i sees key j only when
+    j <= i + c (None: every key). Returns (out, lse) in float32 (low-precision inputs are
+    accumulated in float32, as FlashAttention does): out (B, H, n, d) is softmax attention over
+    this block's keys alone, lse (B, H, n) = log sum_j exp(s_ij). A row that sees no key of the
+    block gets out 0 and lse -inf, which the merge gives weight 0.
+    """
+    f32 = torch.promote_types(q.dtype, torch.float32)
+    s = (q.to(f32) @ k.to(f32).transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, n, m)
+    if causal_offset is not None:
+        n, m = s.shape[-2:]
+        hidden = (
+            torch.arange(m, device=q.device)[None, :]
+            > torch.arange(n, device=q.device)[:, None] + causal_offset
+        )
+        s = s.masked_fill(hidden, float("-inf"))  # (B, H, n, m)
+    mx = s.amax(dim=-1, keepdim=True)  # (B, H, n, 1)
+    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)  # a row with no key: exp(-inf - 0) = 0
+    p = torch.exp(s - mx)  # (B, H, n, m), every entry <= 1: no overflow however large the scores
+    total = p.sum(dim=-1, keepdim=True)  # (B, H, n, 1)
+    out = (p @ v.to(f32)) / torch.where(total > 0, total, torch.ones_like(total))  # (B, H, n, d)
+    return out, (mx + torch.log(total)).squeeze(-1)  # lse (B, H, n); log(0) = -inf for an empty row
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Combine attention over two disjoint sets of keys into attention over their union.
+
+    out_x (..., n, d) is softmax attention over key set x, lse_x (..., n) its log-sum-exp. The
+    union's softmax weights each part by its share of the total mass: exp(lse_x - lse), with
+    lse = log(exp(lse_a) + exp(lse_b)) computed stably (logaddexp subtracts the larger one), so
+    nothing overflows however large the scores. The online softmax of FlashAttention (tiles of one
+    sequence) and ring attention (blocks of keys arriving from other ranks) are this one step.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)  # (..., n)
+    ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # both parts empty: weights 0, not nan
+    wa, wb = torch.exp(lse_a - ref).unsqueeze(-1), torch.exp(lse_b - ref).unsqueeze(-1)  # (..., n, 1)
+    return out_a * wa + out_b * wb, lse
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     block_q: int = 64, block_k: int = 64) -> torch.Tensor:  # fmt: skip
     """The same result as `naive_attention`, one (block_q x block_k) tile of scores at a time.
 
     q (B, H, N, d), k and v (B, H, M, d); with `causal`, query i sees keys j <= i + M - N (the
-    queries are the last N positions). The forward pass of FlashAttention, in PyTorch ops.
+    queries are the last N positions). The forward pass of FlashAttention, in PyTorch ops: each
+    tile's partial result (`attention_lse`) is folded into the running one by `merge_attention`.
     """
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"{name} must be a positive int, got {b!r}")
-    B, H, N, d = q.shape
-    M = k.shape[2]
-    scale = 1.0 / math.sqrt(d)
+    N, M = q.shape[2], k.shape[2]
     out = torch.empty_like(q)  # (B, H, N, d)
     for i0 in range(0, N, block_q):
-        qi = q[:, :, i0 : i0 + block_q] * scale  # (B, H, bq, d)
+        qi = q[:, :, i0 : i0 + block_q]  # (B, H, bq, d)
         bq = qi.shape[2]
-        m = torch.full((B, H, bq, 1), float("-inf"), dtype=q.dtype, device=q.device)  # running max
-        l = torch.zeros(B, H, bq, 1, dtype=q.dtype, device=q.device)  # running sum of exp(s - m)  # noqa: E741
-        acc = torch.zeros(B, H, bq, d, dtype=q.dtype, device=q.device)  # running sum of exp(s - m) v
+        acc = lse = None
         last = M if not causal else min(M, i0 + bq + M - N)  # keys past the last query's position: skipped
         for j0 in range(0, last, block_k):
-            s = qi @ k[:, :, j0 : j0 + block_k].transpose(-2, -1)  # (B, H, bq, bk): one tile of scores
-            if causal:
-                rows = torch.arange(i0, i0 + bq, device=q.device)[:, None] + (
-                    M - N
-                )  # absolute query positions
-                cols = torch.arange(j0, j0 + s.shape[-1], device=q.device)[None, :]
-                s = s.masked_fill(cols > rows, float("-inf"))
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # (B, H, bq, 1)
-            p = torch.exp(s - m_new)  # (B, H, bq, bk), every entry <= 1
-            fix = torch.exp(m - m_new)  # rescales what was summed under the old maximum
-            l = l * fix + p.sum(dim=-1, keepdim=True)  # noqa: E741
-            acc = acc * fix + p @ v[:, :, j0 : j0 + block_k]  # (B, H, bq, d)
-            m = m_new
-        out[:, :, i0 : i0 + bq] = acc / l
+            # query i0+i sits at position i0+i+M-N; key j0+j is visible when j0+j <= that
+            offset = i0 + M - N - j0 if causal else None
+            o, l = attention_lse(qi, k[:, :, j0 : j0 + block_k], v[:, :, j0 : j0 + block_k], offset)  # noqa: E741
+            acc, lse = (o, l) if acc is None else merge_attention(acc, lse, o, l)  # (B, H, bq, d), (B, H, bq)
+        out[:, :, i0 : i0 + bq] = acc
     return out

@@ -48,6 +48,7 @@ FAMILIES = {
     "moe": (2, ["parallel_lab.scripts.moe", "--steps", "1"], "expert parallel matches the single-process layer"),
     "inference-tp": (2, ["parallel_lab.scripts.inference", "--mode", "tp"], "tokens match the single-process model"),
     "inference-pp": (2, ["parallel_lab.scripts.inference", "--mode", "pp"], "tokens match the single-process model"),
+    "long_sequences": (2, ["parallel_lab.scripts.long_sequences"], "matches single-process training"),
     "compression": (2, ["parallel_lab.scripts.compression", "--steps", "60", "--teacher-steps", "150"],
                     "compression table complete"),
     "mixed_precision": (2, ["parallel_lab.scripts.mixed_precision", "--steps", "4", "--overflow-at", "2"],

@@ -73,6 +73,16 @@ def test_inference_defaults(monkeypatch, world, mode):
         assert layers % world == 0 and prompt.shape[0] % micro == 0
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_long_sequences_defaults(monkeypatch, world, method):
+    (cfg, batches, dp, cp, m, zigzag, _), _ = _probe(
+        monkeypatch, "long_sequences", world, ["--method", method]
+    )
+    assert dp * cp == world and cfg.seq_len % (2 * cp if zigzag else cp) == 0
+    assert method == "ring" or cfg.n_heads % cp == 0
+
+
 @pytest.mark.parametrize("world", [8, 16])
 def test_three_d_takes_data_parallel_from_the_launcher(monkeypatch, world):
     (cfg, dims), _ = _probe(monkeypatch, "three_d", world, [])

@@ -2,8 +2,8 @@
 
 Each run is a real multi-process job (every rank imports torch), so this file keeps one run per
 script and launcher that other test files do not already cover: ddp, zero --offload, pipeline,
-three_d, moe, inference (pp) and compression under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks),
-mixed_precision, moe and inference (tp) under
+three_d, moe, inference (pp), compression and long_sequences (ring, 2 x 2) under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks),
+mixed_precision, moe, inference (tp) and long_sequences (ulysses) under
 accelerate launch with the shipped CPU config. Each script checks its own result against
 single-process training and says so on stdout; the trace it writes must load.
 """
@@ -66,6 +66,12 @@ CASES = {
         "tokens match the single-process model",
         {"prefill mb0", "decode mb1"},
     ),
+    "long_sequences-ring": (
+        4,
+        ["parallel_lab.scripts.long_sequences", "--dp", "2", "--steps", "2"],
+        "matches single-process training",
+        {"ring attention", "isendrecv"},
+    ),
     "moe-expert-parallel": (
         4,
         ["parallel_lab.scripts.moe", "--steps", "1", "--tokens", "16"],
@@ -105,6 +111,11 @@ ACCELERATE_CASES = {
         2,
         ["parallel_lab.scripts.inference", "--mode", "tp"],
         "tokens match the single-process model",
+    ),
+    "long_sequences-ulysses": (
+        2,
+        ["parallel_lab.scripts.long_sequences", "--method", "ulysses", "--steps", "2"],
+        "matches single-process training",
     ),
     "moe-expert-parallel": (
         2,

@@ -69,6 +69,7 @@ def train_dp_cp(ctx, model: TinyGPT, batches: list[tuple[torch.Tensor, torch.Ten
     if cp == 1:  # a one-rank "group": attention is local; the comms layer reads None as the world
         cp_group = _single(ctx)
     steps = len(batches) if steps is None else steps
+    model = model.to(ctx.device)
     opt = make_optimizer(optimizer, model.parameters(), lr)
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []
@@ -77,7 +78,7 @@ def train_dp_cp(ctx, model: TinyGPT, batches: list[tuple[torch.Tensor, torch.Ten
         if x.shape[0] % dp:
             raise ValueError(f"batch size {x.shape[0]} must be divisible by dp = {dp}")
         rows = slice(dp_rank * (x.shape[0] // dp), (dp_rank + 1) * (x.shape[0] // dp))
-        idx, tgt = (shard_sequence(t[rows], cp_rank, cp, dim=1, zigzag=zigzag) for t in (x, y))
+        idx, tgt = (shard_sequence(t[rows], cp_rank, cp, dim=1, zigzag=zigzag).to(ctx.device) for t in (x, y))
         pos = positions(cp_rank, cp, x.shape[1], zigzag=zigzag, device=idx.device)
         with ctx.recorder.span("forward", kind="forward", step=i):
             loss = cp_loss(ctx, model, idx, tgt, pos, method=method, zigzag=zigzag, group=cp_group)
@@ -95,7 +96,7 @@ def train_dp_cp(ctx, model: TinyGPT, batches: list[tuple[torch.Tensor, torch.Ten
         total = loss.detach().reshape(1).clone()
         comms.ring_all_reduce(ctx, total)
         losses.append(total.item() / ctx.world_size)
-    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
+    return {"losses": losses, "params": [p.detach().cpu().clone() for p in model.parameters()]}
 
 
 def _single(ctx):

@@ -46,4 +46,24 @@ def ulysses_attention_bytes(batch: int, heads: int, seq_local: int, head_dim: in
     return {"forward": one_way, "backward": one_way}
 
 
-__all__ = ["ring_attention_bytes", "ulysses_attention_bytes"]
+__all__ = ["cp_activation_bytes", "ring_attention_bytes", "ulysses_attention_bytes"]
+
+
+def cp_activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int = 4, vocab: int = 64,
+                        cp: int = 1, dtype_bytes: int = 4) -> int:  # fmt: skip
+    """Bytes one rank's TinyGPT forward saves for backward when attention is ring (or tiled) attention.
+
+    Every per-token tensor of `formulas.activation_bytes` at seq/cp tokens, without the two terms that
+    grow with the square of the sequence (the (B, a, T, T) softmax output and the (T, T) mask: the
+    tiled attention recomputes its scores in backward instead), plus what that backward needs in their
+    place: the float32 output (B·T/cp·C·4) and log-sum-exp per query and head (B·a·T/cp·4). Linear in
+    the sequence, and divided by cp."""
+    from parallel_lab.costmodel.formulas import activation_bytes
+
+    n, t = _int("cp", cp, 1), _int("seq", seq, 1)
+    if t % n:
+        raise ValueError(f"seq ({t}) must be divisible by cp ({n})")
+    tl, d = t // n, _int("dtype_bytes", dtype_bytes, 1)
+    full = activation_bytes(batch, tl, hidden, layers, heads, vocab, dtype_bytes=d)
+    squares = layers * (heads * batch * tl * tl * d + tl * tl)
+    return full - squares + layers * batch * tl * (hidden + heads) * 4

@@ -15,7 +15,7 @@ import re
 import pytest
 from solution_code import _cells, check_cells, solution_namespace
 
-LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15", "16"]
+LESSONS = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15", "16", "17"]
 P = "import torch\nimport torch.distributed as dist\nfrom parallel_lab import comms\n"
 
 
@@ -260,6 +260,17 @@ def quantize(x):
     ("16", "check_multinode_all_reduce", "no phases inside the node", edit("16", "allreduce_seconds", "return 2 * inside + across", "return across"), "reduce-scatter and an all-gather"),
     ("16", "check_multinode_all_reduce", "one node over the network", edit("16", "allreduce_seconds", "return 2 * (g - 1) * nbytes / g / intra_bw", "return 2 * (g - 1) * nbytes / g / inter_bw"), "inside the node"),
     ("16", "check_multinode_all_reduce", "wraps the lab's", "from parallel_lab.comms import multinode_all_reduce_seconds as ours\ndef allreduce_seconds(nbytes, nodes, gpus_per_node, intra_bw, inter_bw, hierarchical):\n    return ours(nbytes, nodes, gpus_per_node, intra_bw, inter_bw, 0.0, hierarchical)\n", "switched off"),
+    # ---- 17 long sequences
+    ("17", "check_merge_partials", "no max subtraction",
+     "import torch\ndef merge(out_a, lse_a, out_b, lse_b):\n    wa, wb = torch.exp(lse_a), torch.exp(lse_b)\n    return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None], torch.log(wa + wb)\n", "inf or nan"),
+    ("17", "check_merge_partials", "outputs averaged, not rescaled", edit("17", "merge", "return out_a * share_a + out_b * share_b, lse", "return (out_a + out_b) / 2, lse"), "out differs"),
+    ("17", "check_merge_partials", "log-sum-exp not merged", edit("17", "merge", "lse = top + torch.log(wa + wb)", "lse = top"), "lse differs"),
+    ("17", "check_merge_partials", "wraps the lab's", "from parallel_lab.inference import merge_attention\ndef merge(a, la, b, lb):\n    return merge_attention(a, la, b, lb)\n", "switched off"),
+    ("17", "check_zigzag_positions", "late chunk first", edit("17", "zigzag_positions", "return list(range(early * c, (early + 1) * c)) + list(range(late * c, (late + 1) * c))", "return list(range(late * c, (late + 1) * c)) + list(range(early * c, (early + 1) * c))"), "wrong order"),
+    ("17", "check_zigzag_positions", "partner N + r", edit("17", "zigzag_positions", "early, late = rank, chunks - 1 - rank", "early, late = rank, world_size + rank"), "the partner that balances"),
+    ("17", "check_zigzag_positions", "contiguous", edit("17", "zigzag_positions", "early, late = rank, chunks - 1 - rank", "early, late = 2 * rank, 2 * rank + 1"), "expected chunks"),
+    ("17", "check_zigzag_positions", "accepts a length that cannot split", edit("17", "zigzag_positions", "if seq_len % chunks:", "if False:"), "instead of raising ValueError"),
+    ("17", "check_zigzag_positions", "wraps the lab's", "from parallel_lab.context_parallel import positions\ndef zigzag_positions(rank, world_size, seq_len):\n    return positions(rank, world_size, seq_len, zigzag=True)\n", "switched off"),
     ("12", "check_error_bound", "reads the lab's scale", "import torch\nfrom parallel_lab.quantization import absmax_scale\ndef error_bound(absmax):\n    return float(absmax_scale(torch.tensor([absmax]))) / 2\n", "switched off"),
 ]  # fmt: skip
 

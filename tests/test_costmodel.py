@@ -190,3 +190,30 @@ def test_bad_types():
         cm.model_state_bytes("7B")
     with pytest.raises(TypeError, match="dp_size"):
         cm.model_state_bytes(10, dp_size=True)
+
+
+# ----------------------------------------------------------------------------- context parallelism (lesson 17)
+def test_context_parallel_divides_activations_and_shards_states_over_dp_x_cp():
+    from parallel_lab.costmodel import ClusterSpec, ModelSpec, evaluate
+
+    m = ModelSpec("long", layers=8, hidden=1024, heads=16, seq=32768, vocab=32000)
+    c = ClusterSpec(gpus=8)
+    a = evaluate(m, c, dp=2, tp=4, pp=1, zero=1, checkpointing=False, global_batch=8)
+    b = evaluate(m, c, dp=1, tp=4, pp=1, zero=1, checkpointing=False, global_batch=8, cp=2)
+    assert b.memory["optim"] == a.memory["optim"]  # ZeRO shards over the 2 replicas either way
+    # cp=2 runs the whole batch on its one replica (m doubles) but each rank holds half of each sequence
+    assert b.memory["activation"] == a.memory["activation"] / 2
+    assert b.time["cp_comm"] >= 0 and a.time["cp_comm"] == 0 and b.cp == 2 and "cp=2" in str(b)
+    with pytest.raises(ValueError, match=r"dp \* cp \* tp \* pp = 16 must equal the cluster's 8 GPUs"):
+        evaluate(m, c, dp=2, tp=4, pp=1, zero=1, checkpointing=False, global_batch=8, cp=2)
+
+
+def test_the_planner_turns_to_context_parallelism_only_for_long_sequences():
+    from parallel_lab.costmodel import GPT3, ClusterSpec, ModelSpec, plan
+
+    long = ModelSpec("8B at 128k tokens", layers=32, hidden=4096, heads=32, seq=131072, vocab=128256)
+    plans = plan(long, ClusterSpec(gpus=64), global_batch=16)
+    assert not [p for p in plans if p.cp == 1 and p.fits]  # no split of batch, weights or layers fits
+    assert plans[0].fits and plans[0].cp > 1
+    short = plan(GPT3, ClusterSpec(gpus=64), global_batch=64, zero_stages=(1,), checkpointing=(True,))
+    assert {p.cp for p in short} == {1}

@@ -15,6 +15,12 @@ TP 4 all-reduces of bsh per layer and micro-batch (8bsh; Korthikanti et al. 2022
 all-reduce of the stage's gradients (16h^2 per layer in 16-bit; ZeRO-3 1.5x, Rajbhandari
 et al. 2020 section 7; ZeRO-2/3 under PP once per micro-batch), PP 2bsh per micro-batch and
 boundary. Links: NVLink inside a node, the network across nodes.
+Context parallelism (cp, lesson 17): every rank holds s/cp tokens of each sequence, so every
+activation term divides by cp (the score term too: a rank's queries are s/cp); ring attention
+sends per layer and micro-batch (cp-1)·2·bsh/cp·2 bytes forward and that plus cp·2·bsh/cp·4
+backward (`costmodel.ring_attention_bytes`, 16-bit blocks, fp32 dK/dV), of which only what the
+attention's own compute (4bs²h/cp FLOPs forward, twice that backward) cannot hide is exposed;
+the gradient reduction and ZeRO's sharding run over dp x cp ranks (CP ranks hold replicas).
 
 Invariant: memory numbers are exact byte counts of the formulas above (and equal
 what the lab's TinyGPT holds, parameter by parameter, when `lab_layout=True`); times
@@ -25,7 +31,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parallel_lab.costmodel.context import ring_attention_bytes
 from parallel_lab.costmodel.formulas import _int, _number, model_state_bytes, tp_activation_bytes_per_layer
+
+#: sequences this long (tokens) or longer make `plan` consider context parallelism by default.
+LONG_SEQUENCE = 16384
 
 
 @dataclass(frozen=True)
@@ -102,10 +112,12 @@ class Plan:
     time: dict[str, float]
     fits: bool
     notes: list[str] = field(default_factory=list)
+    cp: int = 1
 
     def __str__(self) -> str:
         ck = "ckpt" if self.checkpointing else "    "
-        return (f"dp={self.dp:<3} tp={self.tp:<2} pp={self.pp:<3} ZeRO-{self.zero} {ck} m={self.microbatches:<4} "
+        cp = f"cp={self.cp:<2} " if self.cp > 1 else ""
+        return (f"dp={self.dp:<3} {cp}tp={self.tp:<2} pp={self.pp:<3} ZeRO-{self.zero} {ck} m={self.microbatches:<4} "
                 f"{self.memory['total'] / 1e9:7.1f} GB/GPU {self.time['total']:7.2f} s/iter")  # fmt: skip
 
 
@@ -154,22 +166,28 @@ def iteration_flops(model: ModelSpec, global_batch: int, checkpointing: bool) ->
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, zero: int, checkpointing: bool,
              global_batch: int, micro_batch: int = 1, sequence_parallel: bool = False,
-             precision: str = "mixed", optimizer: str = "adam") -> Plan:  # fmt: skip
+             precision: str = "mixed", optimizer: str = "adam", cp: int = 1) -> Plan:  # fmt: skip
     """Memory and time of one layout (see the module docstring for every term)."""
-    if dp * tp * pp != cluster.gpus:
-        raise ValueError(f"dp * tp * pp = {dp * tp * pp} must equal the cluster's {cluster.gpus} GPUs")
+    _int("cp", cp, 1)
+    if dp * cp * tp * pp != cluster.gpus:
+        what = "dp * cp * tp * pp" if cp > 1 else "dp * tp * pp"
+        raise ValueError(f"{what} = {dp * cp * tp * pp} must equal the cluster's {cluster.gpus} GPUs")
+    if model.seq % (2 * cp) and cp > 1:
+        raise ValueError(
+            f"seq ({model.seq}) must be divisible by 2 x cp = {2 * cp} (the load-balanced layout)"
+        )
     if global_batch % (dp * micro_batch):
         raise ValueError(
             f"global_batch ({global_batch}) must be divisible by dp x micro_batch = {dp} x {micro_batch}"
         )
     m = global_batch // (dp * micro_batch)
     notes = []
-    states = model_state_bytes(stage_params(model, tp, pp), dp, zero, optimizer, precision)
+    states = model_state_bytes(stage_params(model, tp, pp), dp * cp, zero, optimizer, precision)
     L_stage = -(-model.layers // pp)
-    per_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel)
+    per_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel) / cp
     in_flight = min(pp, m)  # 1F1B on the first stage
     if checkpointing:  # keep each layer's 16-bit input; recompute one layer at a time in backward
-        act = in_flight * L_stage * 2 * model.seq * micro_batch * model.hidden + per_layer
+        act = in_flight * L_stage * 2 * model.seq // cp * micro_batch * model.hidden + per_layer
     else:
         act = in_flight * L_stage * per_layer
     memory = {"param": states["param"], "grad": states["grad"], "optim": states["optim"], "activation": act}
@@ -181,44 +199,66 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
     bubble = compute * (pp - 1) / m  # Megatron's bubble-to-compute ratio
     gpn = cluster.gpus_per_node
     bw = lambda inside: cluster.intra_bw if inside else cluster.inter_bw  # noqa: E731
-    x = micro_batch * model.seq * model.hidden * 2  # one (b, s, h) activation in 16-bit, bytes
+    x = micro_batch * model.seq // cp * model.hidden * 2  # one (b, s/cp, h) activation in 16-bit, bytes
     passes = 6 if checkpointing else 4  # all-reduces per layer and micro-batch (recompute redoes forward's 2)
     tp_comm = (L_stage * m * passes * 2 * (tp - 1) / tp * x / bw(tp <= gpn)) if tp > 1 else 0.0
     grads = stage_params(model, tp, pp) * 2  # 16-bit gradients of the stage
-    dp_inside = dp * tp <= gpn
-    dp_comm = 2 * (dp - 1) / dp * grads / bw(dp_inside) * (1.5 if zero == 3 else 1.0) if dp > 1 else 0.0
-    if zero >= 2 and pp > 1 and dp > 1:
+    dp_inside = dp * cp * tp <= gpn
+    r = dp * cp  # replicas of the stage's weights: the gradient reduction runs over all of them
+    dp_comm = 2 * (r - 1) / r * grads / bw(dp_inside) * (1.5 if zero == 3 else 1.0) if r > 1 else 0.0
+    if zero >= 2 and pp > 1 and r > 1:
         dp_comm *= m
         notes.append("ZeRO-2/3 under PP: a reduce-scatter per micro-batch")
-    pp_inside = dp * tp * pp <= gpn
+    pp_inside = dp * cp * tp * pp <= gpn
     pp_comm = (m + pp - 1) * 2 * x / bw(pp_inside) if pp > 1 else 0.0
-    time = {"compute": compute, "bubble": bubble, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
+    cp_comm = 0.0
+    if cp > 1:  # ring attention per layer and micro-batch, minus what the attention's compute hides
+        ring = ring_attention_bytes(micro_batch, model.heads // tp, model.seq // cp, model.hidden // model.heads,
+                                    cp, itemsize=2)  # fmt: skip
+        attn_flops = 4 * micro_batch * (model.seq // cp) * model.seq * model.hidden // tp  # forward, per rank
+        hide = attn_flops / (cluster.peak_flops * cluster.mfu)
+        link = bw(cp * tp <= gpn)
+        exposed = max(0.0, ring["forward"] / link - hide) + max(0.0, ring["backward"] / link - 2 * hide)
+        cp_comm = L_stage * m * exposed
+    time = {"compute": compute, "bubble": bubble, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm,
+            "cp_comm": cp_comm}  # fmt: skip
     time["total"] = sum(time.values())
     if tp > gpn:
         notes.append("TP across nodes")
-    return Plan(dp, tp, pp, zero, checkpointing, m, memory, time, memory["total"] <= cluster.memory, notes)
+    return Plan(
+        dp, tp, pp, zero, checkpointing, m, memory, time, memory["total"] <= cluster.memory, notes, cp
+    )
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, micro_batch: int = 1,
          zero_stages: tuple[int, ...] = (0, 1, 2, 3), checkpointing: tuple[bool, ...] = (False, True),
-         sequence_parallel: bool = False, max_tp: int | None = None) -> list[Plan]:  # fmt: skip
+         sequence_parallel: bool = False, max_tp: int | None = None,
+         context_parallel: tuple[int, ...] | None = None) -> list[Plan]:  # fmt: skip
     """Every layout with tp | heads, tp <= `max_tp` (default: a node), pp <= layers and a whole number
-    of micro-batches; feasible ones (fit in memory) first, each group fastest first."""
+    of micro-batches; feasible ones (fit in memory) first, each group fastest first.
+
+    `context_parallel`: the cp sizes to consider; by default 1, and 2, 4, 8 too when the sequence is
+    long (at least `LONG_SEQUENCE` tokens), where activations outgrow what the other axes can split."""
     if global_batch < 1 or micro_batch < 1:
         raise ValueError(f"global_batch and micro_batch must be >= 1, got {global_batch}, {micro_batch}")
     max_tp = cluster.gpus_per_node if max_tp is None else max_tp
+    if context_parallel is None:
+        context_parallel = (1, 2, 4, 8) if model.seq >= LONG_SEQUENCE else (1,)
     out = []
-    for tp in _divisors(cluster.gpus):
-        if tp > max_tp or model.heads % tp:
+    for cp in context_parallel:
+        if cluster.gpus % cp or (cp > 1 and model.seq % (2 * cp)):
             continue
-        for pp in _divisors(cluster.gpus // tp):
-            dp = cluster.gpus // (tp * pp)
-            if pp > model.layers or global_batch % (dp * micro_batch):
+        for tp in _divisors(cluster.gpus // cp):
+            if tp > max_tp or model.heads % tp:
                 continue
-            for zero in zero_stages:
-                for ck in checkpointing:
-                    out.append(evaluate(model, cluster, dp, tp, pp, zero, ck, global_batch, micro_batch,
-                                        sequence_parallel))  # fmt: skip
+            for pp in _divisors(cluster.gpus // (cp * tp)):
+                dp = cluster.gpus // (cp * tp * pp)
+                if pp > model.layers or global_batch % (dp * micro_batch):
+                    continue
+                for zero in zero_stages:
+                    for ck in checkpointing:
+                        out.append(evaluate(model, cluster, dp, tp, pp, zero, ck, global_batch, micro_batch,
+                                            sequence_parallel, cp=cp))  # fmt: skip
     return sorted(out, key=lambda p: (not p.fits, p.time["total"]))
 
 
@@ -262,5 +302,5 @@ def lab_stage_memory(
     return out
 
 
-__all__ = ["BLOOM", "GPT3", "JEAN_ZAY", "ClusterSpec", "ModelSpec", "Plan", "evaluate", "fp32_param_bytes",
+__all__ = ["BLOOM", "GPT3", "JEAN_ZAY", "LONG_SEQUENCE", "ClusterSpec", "ModelSpec", "Plan", "evaluate", "fp32_param_bytes",
            "gradient_traffic_per_iteration", "iteration_flops", "lab_stage_memory", "plan", "stage_params"]  # fmt: skip

@@ -9,7 +9,11 @@ plus gradient accumulation without communication until the last micro-batch.
 Read in this order:
   naive.py  parameter server, all-reduce DP, accumulation, the helpers both share
   ddp.py    BucketedDDP: buckets, hooks, overlap (beside it: torch's DDP in the tests)
+  compression.py  (lesson 18) communication hooks that send fewer bytes: fp16/bf16 casts,
+                  PowerSGD (Vogels et al. 2019), top-k with and without error feedback;
+                  here because each one is what a DDP does with a bucket of gradients
 """
 
+from parallel_lab.data_parallel.compression import *  # noqa: F403
 from parallel_lab.data_parallel.ddp import *  # noqa: F403
 from parallel_lab.data_parallel.naive import *  # noqa: F403

@@ -14,6 +14,9 @@ Each bucket owns one flat buffer; every parameter's `.grad` is a view into it (t
 DDP's `gradient_as_bucket_view`), so the all-reduce runs on the gradients in place
 and there is no second copy of the gradients.
 
+`hook=` (with `comm="ring"`) replaces a bucket's all-reduce by a communication hook, as torch DDP's
+`register_comm_hook` does: lesson 18's compressed all-reduces (`data_parallel/compression.py`).
+
 Invariants: after `finish_gradient_sync()` every trainable parameter's `.grad`
 is the average over ranks of the local gradients (summed over micro-steps); buckets
 are launched in index order on every rank (bucket i waits for bucket i-1), so the
@@ -99,8 +102,14 @@ class BucketedDDP(nn.Module):
     """
 
     def __init__(self, module: nn.Module, ctx: Any, bucket_bytes: float = DEFAULT_BUCKET_BYTES, group: Any = None,
-                 comm: str = "builtin", broadcast_params: bool = True):  # fmt: skip
+                 comm: str = "builtin", broadcast_params: bool = True, hook: Any = None):  # fmt: skip
         super().__init__()
+        if hook is not None and (not callable(hook) or comm != "ring"):
+            raise ValueError(
+                "hook must be callable as hook(ctx, bucket, group) and needs comm='ring' (it runs on the "
+                f"comms thread, through the lab's collectives); got hook={hook!r}, comm={comm!r}"
+            )
+        self.hook = hook
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         _check_bucket_bytes(bucket_bytes)
@@ -189,6 +198,9 @@ class BucketedDDP(nn.Module):
     def _launch(self, b: Bucket) -> None:
         if self.world == 1:
             b.handle = _Done()
+            return
+        if self.hook is not None:  # the hook leaves the average in the bucket (torch's comm-hook contract)
+            b.handle = self._thread.submit(lambda: self.hook(self.ctx, b, self.group))
             return
         b.buffer.div_(self.world)  # sum of g/N = average (torch DDP divides first too)
         name = f"bucket {b.index}"

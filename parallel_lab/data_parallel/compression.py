@@ -1,0 +1,179 @@
+"""Fewer bytes for the gradient all-reduce: DDP communication hooks written on the lab's comms layer.
+
+A hook replaces what DDP does with one bucket of gradients (the local sum over micro-steps) and must
+leave the average over ranks in the bucket, as torch DDP's `register_comm_hook` hooks do:
+- `CastCompression` (torch's `fp16_compress_hook` / `bf16_compress_hook`): cast to 16 bits, divide by
+  the ranks, all-reduce, cast back. Half the bytes; the sum rounds in 16 bits;
+- `PowerSGD` (Vogels, Karimireddy & Jaggi 2019, "PowerSGD: Practical Low-Rank Gradient Compression
+  for Distributed Optimization"): each gradient matrix M (n x m) is sent as two thin factors, P = M Q
+  (n x r) and Q = Mᵀ P̂ (m x r) after orthogonalizing P, so r(n + m) numbers instead of nm; Q is
+  reused across steps (warm start: one power iteration per step refines it), and what the rank-r
+  approximation missed is added to the next step's gradient (error feedback). Vectors (biases,
+  LayerNorms) are all-reduced uncompressed;
+- `TopK` (sparsification; Stich, Cordonnier & Jaggi 2018, "Sparsified SGD with Memory", for the
+  error feedback): each rank sends its k largest-magnitude entries with their indices, an all-gather
+  of 2k numbers; with error feedback the entries not sent are kept and added next step, without it
+  they are lost, and training drifts.
+
+Bytes one rank sends per bucket (p ranks, ring collectives, `comms.ring_bytes_per_rank`): cast,
+the ring all-reduce of n 2-byte elements; PowerSGD, two all-reduces of sum r(n_i) and sum r(m_i)
+float32 plus one of the vectors; top-k, an all-gather of k float32 values and k int32 indices,
+(p-1)·8k bytes (`hook_bytes_per_rank`).
+
+Invariant: after a hook, every rank's bucket holds the same tensor. CastCompression at 2 ranks equals
+torch's hook bit for bit (a sum of two numbers rounds once, whatever the order).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from parallel_lab import comms
+
+
+def _ring_sent(numel: int, p: int, itemsize: int, op: str, rank: int) -> int:
+    """Bytes group rank `rank` sends in a ring collective on `numel` elements."""
+    return comms.ring_bytes_per_rank(numel, p, itemsize, op)[rank][0] if p > 1 and numel else 0
+
+
+class CastCompression:
+    """Cast the bucket to `dtype` (fp16 or bf16), divide by the ranks, all-reduce, cast back."""
+
+    def __init__(self, dtype: torch.dtype = torch.float16):
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        self.dtype = dtype
+
+    def __call__(self, ctx: Any, bucket: Any, group: Any = None) -> None:
+        p, _ = comms.group_size_rank(ctx, group)
+        small = bucket.buffer.to(self.dtype).div_(p)  # torch's hooks divide before the sum, as here
+        comms.ring_all_reduce(ctx, small, group)
+        bucket.buffer.copy_(small)
+
+    def bytes_per_rank(self, bucket: Any, p: int, rank: int = 0) -> int:
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return _ring_sent(bucket.buffer.numel(), p, itemsize, "all_reduce", rank)
+
+
+def _orthogonalize(m: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning m's (Gram-Schmidt, as the paper and torch's hook do); (n, r)."""
+    out = m.clone()
+    for i in range(out.shape[1]):
+        col = out[:, i]
+        col /= col.norm().clamp_min(1e-8)
+        if i + 1 < out.shape[1]:
+            rest = out[:, i + 1 :]
+            rest -= col[:, None] * (col @ rest)[None, :]
+    return out
+
+
+class PowerSGD:
+    """Rank-`rank` PowerSGD with warm start and error feedback; one state per DDP, per bucket."""
+
+    def __init__(self, rank: int = 2, error_feedback: bool = True, warm_start: bool = True, seed: int = 0):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be a positive int, got {rank!r}")
+        self.rank, self.error_feedback, self.warm_start, self.seed = rank, error_feedback, warm_start, seed
+        self.errors: dict[tuple[int, int], torch.Tensor] = {}
+        self.qs: dict[tuple[int, int], torch.Tensor] = {}
+        self.steps = 0
+
+    def _matrices(self, bucket: Any) -> tuple[list[int], list[int]]:
+        """Indices of the bucket's views compressed as matrices, and of those sent as they are."""
+        mats = [
+            i
+            for i, v in enumerate(bucket.views)
+            if v.dim() >= 2 and min(v.shape[0], v[0].numel()) > self.rank
+        ]
+        return mats, [i for i in range(len(bucket.views)) if i not in mats]
+
+    def __call__(self, ctx: Any, bucket: Any, group: Any = None) -> None:
+        p, _ = comms.group_size_rank(ctx, group)
+        mats, plain = self._matrices(bucket)
+        if plain:  # vectors and tiny matrices: compressing them would not save bytes
+            flat = torch.cat([bucket.views[i].reshape(-1) for i in plain]).div_(p)
+            comms.ring_all_reduce(ctx, flat, group)
+            for i, piece in zip(plain, flat.split([bucket.views[i].numel() for i in plain])):
+                bucket.views[i].copy_(piece.view_as(bucket.views[i]))
+        if not mats:
+            return
+        ms, qs = [], []
+        for i in mats:
+            key = (bucket.index, i)
+            m = bucket.views[i].reshape(bucket.views[i].shape[0], -1)  # (n, m): a view into the bucket
+            if self.error_feedback and key in self.errors:
+                m.add_(self.errors[key])  # what earlier steps failed to send is sent now
+            if key not in self.qs or not self.warm_start:  # the same random Q on every rank
+                g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + 7919 * key[0] + key[1])
+                self.qs[key] = torch.randn(m.shape[1], self.rank, generator=g).to(m.device)  # (m, r)
+            ms.append(m)
+            qs.append(self.qs[key])
+        ps = [m @ q for m, q in zip(ms, qs)]  # (n, r) each
+        flat_p = torch.cat([x.reshape(-1) for x in ps])
+        comms.ring_all_reduce(ctx, flat_p, group)  # sum_i M_i Q = (sum_i M_i) Q
+        ps = [_orthogonalize(x.view_as(y)) for x, y in zip(flat_p.split([y.numel() for y in ps]), ps)]
+        new_q = [m.t() @ ph for m, ph in zip(ms, ps)]  # (m, r): one power-iteration step
+        flat_q = torch.cat([x.reshape(-1) for x in new_q])
+        comms.ring_all_reduce(ctx, flat_q, group)
+        new_q = [x.view_as(y) for x, y in zip(flat_q.split([y.numel() for y in new_q]), new_q)]
+        for i, m, ph, q in zip(mats, ms, ps, new_q):
+            key = (bucket.index, i)
+            approx = ph @ q.t()  # (n, m): rank-r approximation of the summed gradient
+            if self.error_feedback:
+                self.errors[key] = m - approx / p  # this rank's share of what the approximation missed
+            self.qs[key] = q
+            m.copy_(approx / p)
+        self.steps += 1
+
+    def bytes_per_rank(self, bucket: Any, p: int, rank: int = 0) -> int:
+        mats, plain = self._matrices(bucket)
+        n_plain = sum(bucket.views[i].numel() for i in plain)
+        n_p = sum(bucket.views[i].shape[0] * self.rank for i in mats)
+        n_q = sum(bucket.views[i][0].numel() * self.rank for i in mats)
+        return sum(_ring_sent(n, p, 4, "all_reduce", rank) for n in (n_plain, n_p, n_q))
+
+
+class TopK:
+    """Send each rank's `ratio` largest-magnitude gradient entries (values and indices), error feedback optional."""
+
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+        self.ratio, self.error_feedback = ratio, error_feedback
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def k(self, numel: int) -> int:
+        return max(1, round(self.ratio * numel))
+
+    def __call__(self, ctx: Any, bucket: Any, group: Any = None) -> None:
+        p, _ = comms.group_size_rank(ctx, group)
+        acc = bucket.buffer.clone()  # (n,)
+        if self.error_feedback and bucket.index in self.residuals:
+            acc += self.residuals[bucket.index]
+        idx = acc.abs().topk(self.k(acc.numel())).indices  # (k,)
+        vals = acc[idx]
+        if self.error_feedback:
+            acc[idx] = 0
+            self.residuals[bucket.index] = acc  # everything not sent this step
+        every_idx = comms.ring_all_gather(ctx, idx.to(torch.int32), group)  # (p, k)
+        every_val = comms.ring_all_gather(ctx, vals, group)  # (p, k)
+        bucket.buffer.zero_()
+        bucket.buffer.index_add_(0, every_idx.reshape(-1).long(), every_val.reshape(-1))
+        bucket.buffer.div_(p)
+
+    def bytes_per_rank(self, bucket: Any, p: int, rank: int = 0) -> int:
+        return 2 * (p - 1) * self.k(bucket.buffer.numel()) * 4
+
+
+def hook_bytes_per_rank(hook: Any, buckets: list, p: int, rank: int = 0) -> int:
+    """Bytes group rank `rank` sends per synchronized step under `hook` (None: the float32 ring all-reduce)."""
+    if hook is None:
+        return sum(
+            _ring_sent(b.buffer.numel(), p, b.buffer.element_size(), "all_reduce", rank) for b in buckets
+        )
+    return sum(hook.bytes_per_rank(b, p, rank) for b in buckets)
+
+
+__all__ = ["CastCompression", "PowerSGD", "TopK", "hook_bytes_per_rank"]

@@ -1,0 +1,252 @@
+"""Lesson 18: FP8 casts and layers, compressed gradient all-reduces (DDP comm hooks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel_lab.data_parallel import BucketedDDP, CastCompression, PowerSGD, TopK, hook_bytes_per_rank
+from parallel_lab.models import GPTConfig, build_model, synthetic_batch
+from parallel_lab.precision import (
+    FORMATS,
+    DelayedScaling,
+    Fp8Linear,
+    amax_to_scale,
+    cast_stats,
+    dequantize_fp8,
+    fp8_model,
+    quantize_fp8,
+)
+from parallel_lab.runtime.launch import launch
+
+
+# ----------------------------------------------------------------------------- FP8 casts
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_the_cast_matches_torch_bit_for_bit_and_saturates(fmt):
+    f = FORMATS[fmt]
+    every = torch.arange(256, dtype=torch.uint8).view(f.dtype).float()
+    every = every[torch.isfinite(every)].unique()  # every finite value of the format, subnormals included
+    mids = (every[1:] + every[:-1]) / 2  # ties: round half to even
+    inf = torch.tensor(float("inf"))
+    grid = torch.cat([every, mids, mids.nextafter(inf), mids.nextafter(-inf),
+                      torch.tensor([f.max * 1.01, 1e9, -1e9, f.min_subnormal / 2, f.min_subnormal / 3])])  # fmt: skip
+    ours = quantize_fp8(grid, fmt, 1.0)
+    assert ours.dtype == f.dtype
+    theirs = grid.clamp(-f.max, f.max).to(f.dtype)  # torch's cast, on values inside the range
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    beyond = quantize_fp8(torch.tensor([f.max * 4, -1e30]), fmt, 1.0).float()
+    assert beyond.tolist() == [f.max, -f.max]  # saturated, never inf or nan
+    if fmt == "e5m2":  # torch's own cast gives inf there: the saturation is ours
+        assert torch.isinf(torch.tensor(1e9).to(f.dtype).float())
+
+
+def test_scaled_round_trip_and_bad_inputs():
+    x = torch.randn(1000) * 1e-3
+    s = amax_to_scale(float(x.abs().max()), "e4m3")
+    back = dequantize_fp8(quantize_fp8(x, "e4m3", s), s)
+    assert (
+        (back - x).abs() <= x.abs() * 2**-4 + FORMATS["e4m3"].min_subnormal / s
+    ).all()  # half an ulp of 3 bits
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        quantize_fp8(x, "e3m4", 1.0)
+    with pytest.raises(ValueError, match="scale must be one finite positive number"):
+        quantize_fp8(x, "e4m3", 0.0)
+    with pytest.raises(ValueError, match="x8 must be a float8"):
+        dequantize_fp8(x, 1.0)
+
+
+def test_delayed_scaling_takes_the_largest_amax_of_its_history():
+    d = DelayedScaling("e4m3", history=3)
+    assert d.scale == 1.0  # nothing recorded yet
+    for amax in (2.0, 8.0, 4.0, 1.0):
+        d.record(amax)
+    assert list(d.amaxes) == [8.0, 4.0, 1.0]
+    assert d.scale == 448.0 / 8.0  # by hand: the format's largest value over the history's largest amax
+    d.record(0.5)
+    assert d.scale == 448.0 / 4.0
+
+
+# ----------------------------------------------------------------------------- the FP8 layer
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_simulated_and_scaled_mm_agree(recipe):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    got = {}
+    for mm in ("simulated", "scaled_mm"):
+        layer = Fp8Linear.from_linear(lin, recipe=recipe, matmul=mm)
+        for _ in range(2):  # the second step uses the delayed scales
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            y = layer(x)
+            y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
+        got[mm] = (y.detach(), x.grad, layer.weight.grad, layer.bias.grad)
+    for a, b in zip(got["simulated"], got["scaled_mm"]):  # the same fp8 products, summed in another order
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # and both near the float32 layer: e4m3 keeps 3 mantissa bits
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    ref = lin(x)
+    assert ((got["simulated"][0] - ref).norm() / ref.norm()) < 0.06
+
+
+def test_current_scaling_never_saturates_and_the_model_trains_near_fp32():
+    from parallel_lab.models import train_reference
+
+    cfg = GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=1)
+    batches = [synthetic_batch("tokens", 8, seq_len=16, vocab=64, seed=i) for i in range(10)]
+    base = train_reference(build_model(cfg, 0), batches, "adam", 1e-2)
+    model = fp8_model(build_model(cfg, 0), recipe="current")
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 4  # qkv, proj, fc, mlp proj
+    losses = train_reference(model, batches, "adam", 1e-2)
+    assert max(abs(a - b) for a, b in zip(losses, base)) < 0.05
+    stats = cast_stats(model)
+    assert sum(s.overflow for s in stats.values()) == 0  # the scale maps the amax onto the largest value
+    assert all(s.casts == 10 for s in stats.values())
+
+
+# ----------------------------------------------------------------------------- compressed all-reduce
+CFG = GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+HOOKS = {"fp16": lambda: CastCompression(torch.float16), "bf16": lambda: CastCompression(torch.bfloat16),
+         "powersgd": lambda: PowerSGD(2), "topk": lambda: TopK(0.01), "topk-noef": lambda: TopK(0.01, False),
+         "none": lambda: None}  # fmt: skip
+
+
+def _train(ctx, hook_name, steps):
+    model = build_model(CFG, 0)
+    hook = HOOKS[hook_name]()
+    ddp = BucketedDDP(model, ctx, bucket_bytes=2**30, comm="ring", hook=hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, sent, first = [], [], None
+    for s in range(steps):
+        x, y = synthetic_batch("tokens", 8, seed=100 * s + ctx.rank, seq_len=16, vocab=64)
+        loss = ddp(x, y)
+        opt.zero_grad(set_to_none=False)
+        before = ctx.recorder.comm_totals()["sent"]
+        loss.backward()
+        ddp.finish_gradient_sync()
+        sent.append(ctx.recorder.comm_totals()["sent"] - before)
+        first = first or [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "sent": sent, "first": first, "params": [p.detach().clone() for p in model.parameters()],
+            "formula": hook_bytes_per_rank(hook, ddp.buckets, ctx.world_size, ctx.rank)}  # fmt: skip
+
+
+def _torch_hook(ctx, name):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = build_model(CFG, 0)
+    x, y = synthetic_batch("tokens", 8, seed=ctx.rank, seq_len=16, vocab=64)
+    model(x, y).backward()
+    params = list(model.parameters())
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[name]
+    out = hook(None, (flat,)).wait()  # the hook itself, on a bucket of these gradients
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    return [o.view_as(p) for o, p in zip(out.split([p.numel() for p in params]), params)]
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_cast_compression_equals_torchs_hook_bit_for_bit_at_two_ranks(name):
+    ours = launch(_train, 2, name, 1).values
+    theirs = launch(_torch_hook, 2, name).values
+    for rank in range(2):
+        for a, b in zip(ours[rank]["first"], theirs[rank]):
+            assert torch.equal(a, b), (name, rank)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bytes_per_step_equal_the_formula_and_ranks_stay_equal(n):
+    for name in ("none", "fp16", "powersgd", "topk"):
+        res = launch(_train, n, name, 2).values
+        for rank, r in enumerate(res):
+            assert r["sent"] == [r["formula"]] * 2, (name, rank, r["sent"], r["formula"])
+        assert all(torch.equal(a, b) for r in res[1:] for a, b in zip(r["params"], res[0]["params"])), name
+
+
+def _powersgd_step(ctx):
+    model = build_model(CFG, 0)
+    hook = PowerSGD(2)
+    ddp = BucketedDDP(model, ctx, bucket_bytes=2**30, comm="ring", hook=hook)
+    x, y = synthetic_batch("tokens", 8, seed=ctx.rank, seq_len=16, vocab=64)
+    q0 = None
+    ddp(x, y).backward()
+    q0 = {k: v.clone() for k, v in hook.qs.items()}  # before the sync: none yet
+    ddp.finish_gradient_sync()
+    return [p.grad.clone() for p in model.parameters()], q0, hook
+
+
+def test_powersgd_is_one_power_iteration_on_the_mean_gradient():
+    """Against a single process: the rank-2 approximation (one power step from the same Q) of the mean gradient."""
+    from parallel_lab.data_parallel.compression import _orthogonalize
+
+    res = launch(_powersgd_step, 2).values
+    grads, _, hook = res[0]
+    local = []
+    for r in range(2):
+        m = build_model(CFG, 0)
+        x, y = synthetic_batch("tokens", 8, seed=r, seq_len=16, vocab=64)
+        m(x, y).backward()
+        local.append([p.grad for p in m.parameters()])
+    mean = [(a + b) / 2 for a, b in zip(*local)]
+    ddp_order = list(reversed(range(len(mean))))  # one bucket, parameters in reverse order
+    mats = set(PowerSGD(2)._matrices(type("B", (), {"views": [mean[i] for i in ddp_order]})())[0])
+    checked = 0
+    for j, i in enumerate(ddp_order):
+        g = mean[i]
+        if j not in mats:
+            torch.testing.assert_close(grads[i], g, atol=1e-6, rtol=1e-6)  # sent uncompressed
+            continue
+        gen = torch.Generator().manual_seed(0 * 1_000_003 + 7919 * 0 + j)
+        q = torch.randn(g[0].numel(), 2, generator=gen)
+        m = g.reshape(g.shape[0], -1) * 2  # the sum over ranks
+        p_hat = _orthogonalize(m @ q)
+        want = (p_hat @ (m.t() @ p_hat).t()) / 2
+        torch.testing.assert_close(grads[i].reshape(want.shape), want, atol=1e-5, rtol=1e-4)
+        checked += 1
+    assert checked >= 8
+    # error feedback: what each rank keeps is its own gradient minus its share of the approximation
+    assert set(hook.errors) and all(e.abs().sum() > 0 for e in hook.errors.values())
+
+
+def test_topk_error_feedback_keeps_what_was_not_sent():
+    class Bucket:
+        index, views = 0, []
+
+    def one_rank(ctx, ef):
+        b = Bucket()
+        b.buffer = torch.tensor([0.5, -3.0, 0.1, 2.0, -0.2, 0.0, 1.0, 0.3]) * (ctx.rank + 1)
+        hook = TopK(0.25, error_feedback=ef)  # k = 2 of 8
+        hook(ctx, b)
+        return b.buffer, hook.residuals.get(0)
+
+    res = launch(one_rank, 2, True).values
+    # rank 0 sends -3.0 (index 1) and 2.0 (index 3); rank 1 the same indices, doubled: mean = 1.5x
+    want = torch.tensor([0.0, -4.5, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0])
+    assert torch.equal(res[0][0], want) and torch.equal(res[1][0], want)
+    assert torch.equal(res[0][1], torch.tensor([0.5, 0.0, 0.1, 0.0, -0.2, 0.0, 1.0, 0.3]))  # by hand
+    assert launch(one_rank, 2, False).values[0][1] is None
+
+
+def test_error_feedback_is_what_keeps_top_k_training():
+    base = launch(_train, 2, "none", 25).values[0]["losses"]
+    gap = {}
+    for name in ("topk", "topk-noef"):
+        losses = launch(_train, 2, name, 25).values[0]["losses"]
+        gap[name] = sum(abs(a - b) for a, b in zip(losses[-5:], base[-5:])) / 5
+    assert gap["topk"] < gap["topk-noef"], gap
+
+
+def test_bad_hook_arguments():
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        PowerSGD(0)
+    with pytest.raises(ValueError, match="ratio must be in"):
+        TopK(0.0)
+    with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
+        CastCompression(torch.float32)
+
+    def wrap(ctx):
+        try:
+            BucketedDDP(build_model(CFG, 0), ctx, hook=TopK(), comm="builtin")
+        except ValueError as e:
+            return str(e)
+
+    assert "needs comm='ring'" in launch(wrap, 2).values[0]

@@ -250,3 +250,42 @@ def test_bad_hook_arguments():
             return str(e)
 
     assert "needs comm='ring'" in launch(wrap, 2).values[0]
+
+
+# ----------------------------------------------------------------------------- ZeRO-1 vs ZeRO-2 under accumulation
+def _accumulate(ctx, stage, m):
+    from parallel_lab.zero import ZeroOptimizer, accumulate_and_step, accumulation_comm
+
+    model = build_model(GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), 0)
+    z = ZeroOptimizer(ctx, model, stage=stage, optimizer="sgd", lr=0.1)
+    mbs = [synthetic_batch("tokens", 2, seq_len=8, vocab=32, seed=10 * ctx.rank + i) for i in range(m)]
+    got = accumulate_and_step(ctx, z, model, mbs)
+    want = accumulation_comm(z.layout.padded, ctx.world_size, stage, m, len(z.layout.unit_sizes), 4, ctx.rank)
+    return got, want, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_zero2_reduce_scatters_every_micro_step_zero1_once(n, m):
+    from parallel_lab.models import train_reference
+
+    params = {}
+    for stage in (1, 2):
+        for rank, (got, want, p) in enumerate(launch(_accumulate, n, stage, m).values):
+            sent = got["ring_reduce_scatter"]["sent"] + got["ring_all_gather"]["sent"]
+            assert (got["ring_reduce_scatter"]["calls"], got["ring_all_gather"]["calls"], sent) == (
+                want["reduce_scatter_calls"],
+                want["all_gather_calls"],
+                want["bytes_sent"],
+            ), (stage, rank, got, want)
+            params[stage] = p
+    # both stages take the step one process takes on the union of every rank's micro-batches
+    ref = build_model(GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), 0)
+    union = [
+        synthetic_batch("tokens", 2, seq_len=8, vocab=32, seed=10 * r + i) for r in range(n) for i in range(m)
+    ]
+    x, y = torch.cat([b[0] for b in union]), torch.cat([b[1] for b in union])
+    train_reference(ref, [(x, y)], "sgd", 0.1)
+    for stage in (1, 2):
+        for a, b in zip(params[stage], ref.parameters()):
+            torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=1e-5)

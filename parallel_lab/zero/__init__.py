@@ -14,10 +14,12 @@ Read in this order:
   stage3.py     stage 3: gather before use, free after, prefetch the next unit
   meta.py       the paper's formula, its padding, and a 7B model counted on `meta`
   plots.py      lesson 04's pictures
+  accumulation.py  (lesson 18) ZeRO-1 against ZeRO-2 under gradient accumulation: bytes per step
 
 `ZeRO(ctx, model, stage=...)` builds the right one.
 """
 
+from parallel_lab.zero.accumulation import *  # noqa: F403
 from parallel_lab.zero.comm import *  # noqa: F403
 from parallel_lab.zero.layout import *  # noqa: F403
 from parallel_lab.zero.meta import *  # noqa: F403

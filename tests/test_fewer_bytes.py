@@ -325,3 +325,42 @@ def test_fp8_all_gather_sends_a_byte_per_parameter_and_trains_like_fp32(n):
         assert fp8[rank]["losses"] == pytest.approx(full[rank]["losses"], abs=0.02)
         assert fp8[rank]["losses"][0] == pytest.approx(full[rank]["losses"][0], abs=2e-3)
     assert all(torch.equal(a, b) for a, b in zip(fp8[0]["params"].values(), fp8[-1]["params"].values()))
+
+
+# ----------------------------------------------------------------------------- overlapped parameter gather
+def _overlap(ctx, stage, steps=3):
+    from parallel_lab.zero import ZeroOptimizer
+
+    out = {}
+    for ov in (False, True):
+        model = build_model(GPTConfig(vocab=32, seq_len=8, d_model=32, n_heads=2, n_layers=3), 0)
+        z = ZeroOptimizer(ctx, model, stage=stage, lr=1e-2, overlap_param_gather=ov)
+        ctx.recorder.reset()
+        losses = []
+        for s in range(steps):
+            x, y = synthetic_batch("tokens", 2, seq_len=8, vocab=32, seed=10 * ctx.rank + s)
+            loss = model(x, y)
+            loss.backward()
+            z.step()
+            z.zero_grad()
+            losses.append(loss.item())
+        z.wait_param_gather()
+        sent = ctx.recorder.comm_totals()["sent"]
+        out[ov] = (losses, [p.detach().clone() for p in model.parameters()], sent)
+    return out
+
+
+@pytest.mark.parametrize(("n", "stage"), [(2, 1), (3, 2)])
+def test_overlapped_parameter_gather_gives_the_same_steps_and_bytes(n, stage):
+    res = launch(_overlap, n, stage).values
+    for rank, r in enumerate(res):
+        assert r[True][0] == r[False][0], rank  # losses: every unit waited for its own pieces
+        assert all(torch.equal(a, b) for a, b in zip(r[True][1], r[False][1]))
+        assert r[True][2] == r[False][2]  # the same bytes, sent unit by unit instead of in one ring
+    from parallel_lab.runtime.context import RankError
+    from parallel_lab.zero import ZeroOptimizer
+
+    with pytest.raises(RankError, match="overlap_param_gather needs stage 1 or 2"):
+        launch(
+            lambda ctx: ZeroOptimizer(ctx, build_model(GPTConfig(), 0), stage=0, overlap_param_gather=True), 1
+        )

@@ -21,12 +21,20 @@ Communication per rank per step (§7.2): reduce-scatter + all-gather = (P - S) +
 elements each way, exactly what a ring all-reduce of the P-element buffer moves: ZeRO-1/2
 cost no more bandwidth than plain DP.
 
-Invariant: after every `step()` all ranks hold bit-identical parameters, equal up to
-summation order to one process training on the union of the ranks' batches.
+`overlap_param_gather=True` (lesson 18; Megatron-LM's distributed optimizer with its overlapped
+parameter gather): stages 1-2 start the all-gather of the updated slices unit by unit at the end
+of `step()` and return at once; each unit's forward pre-hook waits for that unit's pieces only, so
+the gathers of later units travel while earlier units compute. Same bytes, less exposed time
+(`exposed_gather_seconds` sums the time a rank waited for parameters, with or without overlap).
+
+Invariant: after every `step()` (with overlap: before each unit's forward) all ranks hold
+bit-identical parameters, equal up to summation order to one process training on the union of
+the ranks' batches.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -34,7 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel_lab import comms
-from parallel_lab.zero.comm import GradReducer, _label, ring_all_gather_
+from parallel_lab.zero.comm import GradReducer, _label, all_gather_pieces, ring_all_gather_
 from parallel_lab.zero.layout import (
     ZeroLayout,
     bind_params,
@@ -149,11 +157,27 @@ class ZeroOptimizer(ZeroBase):
     children of every `nn.ModuleList`) are the groups whose gradients stage 2 reduces together.
     """
 
+    GATHER_TAG = 1 << 22  # overlapped parameter gathers: GATHER_TAG + unit
+
     def __init__(self, ctx, model: nn.Module, stage: int = 1, optimizer: Any = "adam", precision: str = "fp32",
-                 units: list[nn.Module] | None = None, group=None, **optim_kwargs: Any) -> None:  # fmt: skip
+                 units: list[nn.Module] | None = None, group=None, overlap_param_gather: bool = False,
+                 **optim_kwargs: Any) -> None:  # fmt: skip
         if check_stage(stage) == 3:
             raise ValueError("stage 3 shards the parameters too: use Zero3, or ZeRO(ctx, model, stage=3)")
+        if overlap_param_gather and stage == 0:
+            raise ValueError(
+                "overlap_param_gather needs stage 1 or 2 (stage 0 all-reduces; nothing to gather)"
+            )
         super().__init__(ctx, model, stage, optimizer, precision, units, group, optim_kwargs)
+        self.overlap_param_gather = bool(overlap_param_gather)
+        self.exposed_gather_seconds = 0.0
+        self._gathers: list[Any] = [None] * len(self.groups.params)
+        self._gather_hooks = []
+        if self.overlap_param_gather:
+            for u, mod in enumerate(self.groups.modules):
+                self._gather_hooks.append(
+                    mod.register_forward_pre_hook(lambda m, a, u=u: self._wait_gather(u))
+                )
         params = self.groups.flat
         bind_params(params, self.layout, self.states.flat)  # the model now reads the flat buffer
         self._ptrs = [p.data_ptr() for p in params]
@@ -192,9 +216,33 @@ class ZeroOptimizer(ZeroBase):
                     "(its .data was replaced after wrapping, e.g. by model.to() or load_state_dict(assign=True))"
                 )
 
+    def _wait_gather(self, u: int) -> None:
+        """Unit u's updated pieces have arrived (the forward pre-hook of the unit, with overlap)."""
+        if self._gathers[u] is not None:
+            t0 = time.perf_counter()
+            self._gathers[u].wait()
+            self.exposed_gather_seconds += time.perf_counter() - t0
+            self._gathers[u] = None
+
+    def wait_param_gather(self) -> None:
+        """Every unit's gather finished (before anything reads or writes the whole flat buffer)."""
+        for u in range(len(self._gathers)):
+            self._wait_gather(u)
+
+    def _issue_param_gather(self) -> None:
+        """Start all-gathering every unit's updated pieces into the flat buffer; returns at once."""
+        flat = self.states.flat
+        for u in range(len(self._gathers)):
+            a, b = self.layout.unit_range(u)
+            pieces = self.layout.pieces(u)
+            lo, hi = pieces[self.rank]
+            self._gathers[u] = all_gather_pieces(self.ctx, flat[lo:hi], pieces, flat[a:b], a, self.group,
+                                                 self.GATHER_TAG + u)  # fmt: skip
+
     @torch.no_grad()
     def step(self) -> None:
         """Average the gradients across ranks, update, and leave identical parameters everywhere."""
+        self.wait_param_gather()  # our slice is about to change: the last step's sends of it must be done
         self._check_model()
         ctx, st, n = self.ctx, self.states, self.world_size
         if self.stage == 0:
@@ -211,8 +259,12 @@ class ZeroOptimizer(ZeroBase):
             grad = st.grad_shard / n  # (S,) summed during backward
         self._step_optimizer(grad)
         del grad
-        if self.stage > 0:
+        if self.stage > 0 and self.overlap_param_gather:
+            self._issue_param_gather()  # each unit's forward waits for its own pieces
+        elif self.stage > 0:
+            t0 = time.perf_counter()
             ring_all_gather_(ctx, st.flat, self.group)  # every rank's updated slice, everywhere
+            self.exposed_gather_seconds += time.perf_counter() - t0
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradients. Stages 0-1 keep their flat buffer (the .grads are views of it);

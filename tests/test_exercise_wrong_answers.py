@@ -15,7 +15,7 @@ import re
 import pytest
 from solution_code import _cells, check_cells, solution_namespace
 
-LESSONS = [f"{i:02d}" for i in range(1, 18)]
+LESSONS = [f"{i:02d}" for i in range(1, 19)]
 P = "import torch\nimport torch.distributed as dist\nfrom parallel_lab import comms\n"
 
 
@@ -271,6 +271,17 @@ def quantize(x):
     ("17", "check_zigzag_positions", "contiguous", edit("17", "zigzag_positions", "early, late = rank, chunks - 1 - rank", "early, late = 2 * rank, 2 * rank + 1"), "expected chunks"),
     ("17", "check_zigzag_positions", "accepts a length that cannot split", edit("17", "zigzag_positions", "if seq_len % chunks:", "if False:"), "instead of raising ValueError"),
     ("17", "check_zigzag_positions", "wraps the lab's", "from parallel_lab.context_parallel import positions\ndef zigzag_positions(rank, world_size, seq_len):\n    return positions(rank, world_size, seq_len, zigzag=True)\n", "switched off"),
+    # ---- 18 fewer bytes
+    ("18", "check_round_e4m3", "ties away from zero", edit("18", "round_e4m3", "torch.round(x / spacing)", "torch.sign(x) * torch.floor(x.abs() / spacing + 0.5)"), "ties to even"),
+    ("18", "check_round_e4m3", "flushes subnormals", edit("18", "round_e4m3", "x.abs().clamp_min(2.0**-6)", "x.abs().clamp_min(2.0**-30)"), "subnormal"),
+    ("18", "check_round_e4m3", "no saturation", edit("18", "round_e4m3", ".clamp(-448.0, 448.0)", ""), "saturate"),
+    ("18", "check_round_e4m3", "two mantissa bits", edit("18", "round_e4m3", "2.0 ** (exponent - 3)", "2.0 ** (exponent - 2)"), "3 mantissa bits"),
+    ("18", "check_round_e4m3", "torch's cast", "import torch\ndef round_e4m3(x):\n    return x.clamp(-448, 448).to(torch.float8_e4m3fn).float()\n", "made a float8 tensor"),
+    ("18", "check_round_e4m3", "wraps the lab's", "from parallel_lab.precision import fp8_round\ndef round_e4m3(x):\n    return fp8_round(x, 'e4m3')\n", "switched off"),
+    ("18", "check_topk_error_feedback", "ignores the residual", edit("18", "topk_error_feedback", "total = grad + residual", "total = grad.clone()"), "residual from earlier steps"),
+    ("18", "check_topk_error_feedback", "keeps what it sent", edit("18", "topk_error_feedback", "new_residual[indices] = 0", "pass"), "sent twice"),
+    ("18", "check_topk_error_feedback", "forgets the old residual", edit("18", "topk_error_feedback", "new_residual = total.clone()", "new_residual = grad.clone()"), "loses nothing"),
+    ("18", "check_topk_error_feedback", "wraps the lab's", "import torch\nfrom parallel_lab.data_parallel import TopK\ndef topk_error_feedback(grad, residual, k):\n    class B:\n        index, buffer = 0, grad.clone()\n    h = TopK(k / grad.numel())\n    h.residuals[0] = residual\n    h(None, B())\n    return None\n", "switched off"),
     ("12", "check_error_bound", "reads the lab's scale", "import torch\nfrom parallel_lab.quantization import absmax_scale\ndef error_bound(absmax):\n    return float(absmax_scale(torch.tensor([absmax]))) / 2\n", "switched off"),
 ]  # fmt: skip
 

@@ -49,6 +49,7 @@ FAMILIES = {
     "inference-tp": (2, ["parallel_lab.scripts.inference", "--mode", "tp"], "tokens match the single-process model"),
     "inference-pp": (2, ["parallel_lab.scripts.inference", "--mode", "pp"], "tokens match the single-process model"),
     "long_sequences": (2, ["parallel_lab.scripts.long_sequences"], "matches single-process training"),
+    "fewer_bytes": (2, ["parallel_lab.scripts.fewer_bytes", "--steps", "3"], "every rank holds the same weights"),
     "compression": (2, ["parallel_lab.scripts.compression", "--steps", "60", "--teacher-steps", "150"],
                     "compression table complete"),
     "mixed_precision": (2, ["parallel_lab.scripts.mixed_precision", "--steps", "4", "--overflow-at", "2"],

@@ -2,8 +2,8 @@
 
 Each run is a real multi-process job (every rank imports torch), so this file keeps one run per
 script and launcher that other test files do not already cover: ddp, zero --offload, pipeline,
-three_d, moe, inference (pp), compression and long_sequences (ring, 2 x 2) under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks),
-mixed_precision, moe, inference (tp) and long_sequences (ulysses) under
+three_d, moe, inference (pp), compression, long_sequences (ring, 2 x 2) and fewer_bytes (PowerSGD) under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks),
+mixed_precision, moe, inference (tp), long_sequences (ulysses) and fewer_bytes (top-k, 3 ranks) under
 accelerate launch with the shipped CPU config. Each script checks its own result against
 single-process training and says so on stdout; the trace it writes must load.
 """
@@ -72,6 +72,12 @@ CASES = {
         "matches single-process training",
         {"ring attention", "isendrecv"},
     ),
+    "fewer_bytes-powersgd": (
+        2,
+        ["parallel_lab.scripts.fewer_bytes", "--hook", "powersgd", "--steps", "3"],
+        "every rank holds the same weights",
+        {"hook step", "ring_all_reduce"},
+    ),
     "moe-expert-parallel": (
         4,
         ["parallel_lab.scripts.moe", "--steps", "1", "--tokens", "16"],
@@ -116,6 +122,11 @@ ACCELERATE_CASES = {
         2,
         ["parallel_lab.scripts.long_sequences", "--method", "ulysses", "--steps", "2"],
         "matches single-process training",
+    ),
+    "fewer_bytes-topk": (
+        3,
+        ["parallel_lab.scripts.fewer_bytes", "--hook", "topk", "--steps", "3"],
+        "bytes equal the formula",
     ),
     "moe-expert-parallel": (
         2,

@@ -64,6 +64,7 @@ bench: setup
 	$(PY) benchmarks/zero.py
 	$(PY) benchmarks/tensor_parallel.py
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/comm_hooks.py
 	$(PY) benchmarks/summary.py
 
 clean:

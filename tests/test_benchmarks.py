@@ -25,6 +25,7 @@ TOY = {
     "memory_overhead": ["--quick"],
     "launch": ["--ranks", "2", "--repeats", "1", "--torchrun-repeats", "1"],
     "checkpoint": ["--sizes", "0.05", "--rounds", "1"],
+    "comm_hooks": ["--ranks", "2", "--d-model", "32", "--layers", "1", "--rounds", "1"],
 }
 
 

@@ -247,9 +247,14 @@ class CommThread:
     def __init__(self, device: Any = None) -> None:
         self.jobs: queue.Queue = queue.Queue()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._threads = torch.get_num_threads()
         threading.Thread(target=self._run, daemon=True, name="parallel_lab-comm").start()
 
     def _run(self) -> None:
+        # OpenMP's thread count is per thread: a new thread would start its own pool of one thread per
+        # core for any op that computes (a hook's matmuls), which in a forked rank costs far more than the
+        # op. The rank's setting carries over.
+        torch.set_num_threads(self._threads)
         dev.bind_thread(self.device)
         stream = dev.side_stream(self.device)
         while True:

@@ -87,6 +87,33 @@ def test_simulated_and_scaled_mm_agree(recipe):
     assert ((got["simulated"][0] - ref).norm() / ref.norm()) < 0.06
 
 
+def test_current_scaling_equals_torchaos_float8_linear():
+    """torchao's default Float8Linear: dynamic tensorwise scales, e4m3 input and weight, e5m2 grad_output,
+    scale = largest finite / amax: the lab's "current" recipe. Scales are computed in float32 there and
+    in float64 here before rounding to float32, so a product may differ in its last bits: 1e-5 relative."""
+    import copy
+
+    import torchao.float8 as float8  # in the test extra
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    theirs = torch.nn.Sequential(copy.deepcopy(lin))
+    float8.convert_to_float8_training(theirs)
+    ours = Fp8Linear.from_linear(lin, recipe="current")
+    for step in range(3):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)) * 10.0**step
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya, yb = theirs(xa), ours(xb)
+        g = torch.randn(ya.shape, generator=torch.Generator().manual_seed(100 + step)) * 1e-3
+        ya.backward(g)
+        yb.backward(g)
+        torch.testing.assert_close(yb, ya, atol=1e-5 * float(ya.abs().max()), rtol=1e-5)
+        torch.testing.assert_close(xb.grad, xa.grad, atol=1e-5 * float(xa.grad.abs().max()), rtol=1e-5)
+        torch.testing.assert_close(ours.weight.grad, theirs[0].weight.grad,
+                                   atol=1e-5 * float(theirs[0].weight.grad.abs().max()), rtol=1e-5)  # fmt: skip
+        ours.weight.grad = theirs[0].weight.grad = None
+
+
 def test_current_scaling_never_saturates_and_the_model_trains_near_fp32():
     from parallel_lab.models import train_reference
 

@@ -106,7 +106,7 @@ class PowerSGD:
             if self.error_feedback and key in self.errors:
                 m.add_(self.errors[key])  # what earlier steps failed to send is sent now
             if key not in self.qs or not self.warm_start:  # the same random Q on every rank
-                g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + 7919 * key[0] + key[1])
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * key[0] + key[1])
                 self.qs[key] = torch.randn(m.shape[1], self.rank, generator=g).to(m.device)  # (m, r)
             ms.append(m)
             qs.append(self.qs[key])

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from parallel_lab.precision.fp8 import amax_to_scale, quantize_fp8
+from parallel_lab.precision import amax_to_scale, quantize_fp8
 from parallel_lab.zero.comm import GradReducer, _label, all_gather_pieces
 from parallel_lab.zero.optimizer import ZeroBase, _zero_shard
 

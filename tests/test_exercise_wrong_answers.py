@@ -282,6 +282,10 @@ def quantize(x):
     ("18", "check_topk_error_feedback", "keeps what it sent", edit("18", "topk_error_feedback", "new_residual[indices] = 0", "pass"), "sent twice"),
     ("18", "check_topk_error_feedback", "forgets the old residual", edit("18", "topk_error_feedback", "new_residual = total.clone()", "new_residual = grad.clone()"), "loses nothing"),
     ("18", "check_topk_error_feedback", "wraps the lab's", "import torch\nfrom parallel_lab.data_parallel import TopK\ndef topk_error_feedback(grad, residual, k):\n    class B:\n        index, buffer = 0, grad.clone()\n    h = TopK(k / grad.numel())\n    h.residuals[0] = residual\n    h(None, B())\n    return None\n", "switched off"),
+    ("18", "check_delayed_scale", "scale from the current amax", edit("18", "delayed_scale", "scale = largest / max(history) if history else 1.0\n    new_history = (list(history) + [amax])[-length:]", "new_history = (list(history) + [amax])[-length:]\n    scale = largest / max(new_history)"), "from earlier steps only"),
+    ("18", "check_delayed_scale", "keeps every amax", edit("18", "delayed_scale", "[-length:]", ""), "keep the last"),
+    ("18", "check_delayed_scale", "scale upside down", edit("18", "delayed_scale", "largest / max(history)", "max(history) / largest"), "expected largest / max(history)"),
+    ("18", "check_delayed_scale", "wraps the lab's", "from parallel_lab.precision import DelayedScaling\ndef delayed_scale(history, amax, largest, length):\n    d = DelayedScaling('e4m3', length)\n    for a in history:\n        d.record(a)\n    s = d.scale\n    d.record(amax)\n    return s, list(d.amaxes)\n", "switched off"),
     ("12", "check_error_bound", "reads the lab's scale", "import torch\nfrom parallel_lab.quantization import absmax_scale\ndef error_bound(absmax):\n    return float(absmax_scale(torch.tensor([absmax]))) / 2\n", "switched off"),
 ]  # fmt: skip
 

@@ -265,8 +265,23 @@ def test_error_feedback_is_what_keeps_top_k_training():
 def test_bad_hook_arguments():
     with pytest.raises(ValueError, match="rank must be a positive int"):
         PowerSGD(0)
-    with pytest.raises(ValueError, match="ratio must be in"):
-        TopK(0.0)
+    for ratio in (0.0, 1.5, -0.1):  # k = 0, or more entries than there are
+        with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\]"):
+            TopK(ratio)
+
+    class Bucket:
+        index, views = 0, [torch.zeros(8, 3), torch.zeros(5)]
+
+    with pytest.raises(
+        ValueError, match=r"PowerSGD rank 3 must be smaller than both sides.*\(8, 3\) gradient"
+    ):
+        PowerSGD(3)._matrices(Bucket())
+    assert PowerSGD(2)._matrices(Bucket()) == ([0], [1])
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        DelayedScaling("e2m5")
+    for amax in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="amax must be finite and >= 0"):
+            amax_to_scale(amax, "e4m3")
     with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
         CastCompression(torch.float32)
 

@@ -81,12 +81,17 @@ class PowerSGD:
         self.steps = 0
 
     def _matrices(self, bucket: Any) -> tuple[list[int], list[int]]:
-        """Indices of the bucket's views compressed as matrices, and of those sent as they are."""
-        mats = [
-            i
-            for i, v in enumerate(bucket.views)
-            if v.dim() >= 2 and min(v.shape[0], v[0].numel()) > self.rank
-        ]
+        """Indices of the bucket's views compressed as matrices (every gradient of 2 or more dims), and
+        of the vectors sent as they are. A rank that is not smaller than both sides of a matrix would
+        send more than the matrix itself: refused."""
+        mats = [i for i, v in enumerate(bucket.views) if v.dim() >= 2]
+        for i in mats:
+            n, m = bucket.views[i].shape[0], bucket.views[i][0].numel()
+            if self.rank >= min(n, m):
+                raise ValueError(
+                    f"PowerSGD rank {self.rank} must be smaller than both sides of every gradient matrix: a "
+                    f"({n}, {m}) gradient would send r(n + m) = {self.rank * (n + m)} numbers for its {n * m}"
+                )
         return mats, [i for i in range(len(bucket.views)) if i not in mats]
 
     def __call__(self, ctx: Any, bucket: Any, group: Any = None) -> None:
@@ -139,8 +144,10 @@ class TopK:
     """Send each rank's `ratio` largest-magnitude gradient entries (values and indices), error feedback optional."""
 
     def __init__(self, ratio: float = 0.01, error_feedback: bool = True):
-        if not 0 < ratio <= 1:
-            raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(
+                f"ratio must be in (0, 1] (k = ratio x numel entries are sent, 1 <= k <= numel), got {ratio!r}"
+            )
         self.ratio, self.error_feedback = ratio, error_feedback
         self.residuals: dict[int, torch.Tensor] = {}
 

@@ -149,3 +149,40 @@ def check_topk_error_feedback(topk_error_feedback: Callable) -> None:
         f"{lost:.3g}: error feedback loses nothing, every entry is either sent or kept"
     )
     passed("check_topk_error_feedback", "a step by hand and 20 steps that lose nothing")
+
+
+def check_delayed_scale(delayed_scale: Callable) -> None:
+    """`delayed_scale(history, amax, largest, length)` -> (scale, new_history): delayed scaling's one step."""
+    require_callable(delayed_scale, "delayed_scale")
+    fn = guarded(delayed_scale, FORBIDDEN, "this exercise (delayed_scale)")
+    steps = [(3.0, 1.0), (12.0, 448.0 / 3.0), (5.0, 448.0 / 12.0), (1.0, 448.0 / 12.0), (2.0, 448.0 / 12.0),
+             (0.5, 448.0 / 5.0), (0.25, 448.0 / 2.0)]  # (this step's amax, the scale it must use), length 3  # fmt: skip
+    history: list = []
+    for i, (amax, want) in enumerate(steps):
+        what = f"step {i}: delayed_scale(history={history}, amax={amax}, largest=448.0, length=3)"
+        got = fn(list(history), amax, 448.0, 3)
+        ok = isinstance(got, (tuple, list)) and len(got) == 2
+        assert ok, f"{what}: return (scale, new_history); got {got!r}"
+        scale, new = float(got[0]), list(got[1])
+        if abs(scale - want) > 1e-9 * want:
+            with_current = 448.0 / max(history + [amax])
+            if abs(scale - with_current) < 1e-9 * with_current and (not history or amax > max(history)):
+                hint = (
+                    "this step's amax went into its own scale: delayed scaling takes the scale from earlier "
+                    "steps only, and records this amax for the next ones"
+                )
+            elif not history:
+                hint = "with no history yet the scale is 1.0"
+            else:
+                hint = f"expected largest / max(history) = 448 / {max(history)} = {want:.4g}"
+            raise AssertionError(f"{what} returned scale {scale:.6g}: {hint}")
+        want_hist = (history + [amax])[-3:]
+        assert [float(v) for v in new] == want_hist, (
+            f"{what} returned history {new}, expected {want_hist}: append this step's amax and keep the last "
+            "`length` (older ones fall out, so a spike is forgotten after `length` steps)"
+        )
+        history = want_hist
+    passed("check_delayed_scale", f"{len(steps)} steps with a history of 3")
+
+
+__all__ += ["check_delayed_scale"]

@@ -20,8 +20,10 @@ the ring all-reduce of n 2-byte elements; PowerSGD, two all-reduces of sum r(n_i
 float32 plus one of the vectors; top-k, an all-gather of k float32 values and k int32 indices,
 (p-1)·8k bytes (`hook_bytes_per_rank`).
 
-Invariant: after a hook, every rank's bucket holds the same tensor. CastCompression at 2 ranks equals
-torch's hook bit for bit (a sum of two numbers rounds once, whatever the order).
+Invariant: after a hook, every rank's bucket holds the same tensor. At 2 ranks (a sum of two numbers
+rounds once, whatever the order) CastCompression equals torch's hook bit for bit, and PowerSGD equals
+torch's `powerSGD_hook` bit for bit up to its first compressed step; after it, torch's hook also keeps
+an error for the uncompressed vectors (summing to zero over the ranks), and the two part by rounding.
 """
 
 from __future__ import annotations
@@ -58,27 +60,47 @@ class CastCompression:
 
 
 def _orthogonalize(m: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning m's (Gram-Schmidt, as the paper and torch's hook do); (n, r)."""
+    """Orthonormal columns spanning m's, by Gram-Schmidt (the paper's choice, and torch's hook's for
+    r <= 2; it uses a QR factorization above, which spans the same columns); (n, r)."""
     out = m.clone()
     for i in range(out.shape[1]):
-        col = out[:, i]
-        col /= col.norm().clamp_min(1e-8)
+        col = out[:, i : i + 1]  # (n, 1)
+        col /= col.norm().clamp_min(1e-8)  # an all-zero column (a frozen layer) stays zero
         if i + 1 < out.shape[1]:
-            rest = out[:, i + 1 :]
-            rest -= col[:, None] * (col @ rest)[None, :]
+            rest = out[:, i + 1 :]  # (n, r - i - 1)
+            rest -= (col * rest).sum(0, keepdim=True) * col
     return out
 
 
 class PowerSGD:
-    """Rank-`rank` PowerSGD with warm start and error feedback; one state per DDP, per bucket."""
+    """Rank-`rank` PowerSGD with warm start and error feedback; one state per DDP, per bucket.
 
-    def __init__(self, rank: int = 2, error_feedback: bool = True, warm_start: bool = True, seed: int = 0):
+    The first `start_iter` steps are plain averaged all-reduces (torch's `start_powerSGD_iter`:
+    a few exact steps before the approximation starts). Q is drawn as torch's hook draws it, so the
+    two can be compared number for number: a NumPy `RandomState(seed)` gives each bucket a seed on its
+    first compressed step, and the bucket's matrices take their Qs from it in turn, grouped by shape.
+    """
+
+    def __init__(
+        self,
+        rank: int = 2,
+        error_feedback: bool = True,
+        warm_start: bool = True,
+        seed: int = 0,
+        start_iter: int = 0,
+    ):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be a positive int, got {rank!r}")
-        self.rank, self.error_feedback, self.warm_start, self.seed = rank, error_feedback, warm_start, seed
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter must be an int >= 0 (uncompressed steps first), got {start_iter!r}")
+        import numpy as np
+
+        self.rank, self.error_feedback, self.warm_start = rank, error_feedback, warm_start
+        self.seed, self.start_iter = seed, start_iter
+        self._rng = np.random.RandomState(seed)  # the same draws on every rank
         self.errors: dict[tuple[int, int], torch.Tensor] = {}
         self.qs: dict[tuple[int, int], torch.Tensor] = {}
-        self.steps = 0
+        self.calls: dict[int, int] = {}  # per bucket: steps seen
 
     def _matrices(self, bucket: Any) -> tuple[list[int], list[int]]:
         """Indices of the bucket's views compressed as matrices (every gradient of 2 or more dims), and
@@ -94,45 +116,64 @@ class PowerSGD:
                 )
         return mats, [i for i in range(len(bucket.views)) if i not in mats]
 
+    def _compressing(self, bucket: Any) -> bool:
+        return self.calls.get(bucket.index, 0) >= self.start_iter
+
+    def _draw_qs(self, bucket: Any, mats: list[int], shapes: dict[int, tuple[int, int]]) -> None:
+        """Fresh orthonormal Qs for the bucket's matrices, in torch's order: one seed per bucket, then
+        the matrices grouped by shape (first shape first), each group in bucket order."""
+        g = torch.Generator().manual_seed(int(self._rng.randint(1_000_000_000)))
+        for shape in dict.fromkeys(shapes[i] for i in mats):
+            for i in (i for i in mats if shapes[i] == shape):
+                q = torch.randn(shape[1], self.rank, generator=g)  # (m, r)
+                self.qs[(bucket.index, i)] = _orthogonalize(q).to(bucket.views[i].device)
+
     def __call__(self, ctx: Any, bucket: Any, group: Any = None) -> None:
         p, _ = comms.group_size_rank(ctx, group)
         mats, plain = self._matrices(bucket)
-        if plain:  # vectors and tiny matrices: compressing them would not save bytes
-            flat = torch.cat([bucket.views[i].reshape(-1) for i in plain]).div_(p)
+        compressing = self._compressing(bucket)
+        self.calls[bucket.index] = self.calls.get(bucket.index, 0) + 1
+        if not compressing:  # the exact average, as DDP without a hook
+            comms.ring_all_reduce(ctx, bucket.buffer.div_(p), group)
+            return
+        if plain:  # vectors: compressing them would not save bytes
+            flat = torch.cat([bucket.views[i].reshape(-1) for i in plain])
             comms.ring_all_reduce(ctx, flat, group)
+            flat.div_(p)
             for i, piece in zip(plain, flat.split([bucket.views[i].numel() for i in plain])):
                 bucket.views[i].copy_(piece.view_as(bucket.views[i]))
         if not mats:
             return
-        ms, qs = [], []
+        ms = {}
         for i in mats:
-            key = (bucket.index, i)
             m = bucket.views[i].reshape(bucket.views[i].shape[0], -1)  # (n, m): a view into the bucket
-            if self.error_feedback and key in self.errors:
-                m.add_(self.errors[key])  # what earlier steps failed to send is sent now
-            if key not in self.qs or not self.warm_start:  # the same random Q on every rank
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * key[0] + key[1])
-                self.qs[key] = torch.randn(m.shape[1], self.rank, generator=g).to(m.device)  # (m, r)
-            ms.append(m)
-            qs.append(self.qs[key])
-        ps = [m @ q for m, q in zip(ms, qs)]  # (n, r) each
+            if self.error_feedback and (bucket.index, i) in self.errors:
+                m.add_(self.errors[(bucket.index, i)])  # what earlier steps failed to send is sent now
+            ms[i] = m
+        if (bucket.index, mats[0]) not in self.qs or not self.warm_start:
+            self._draw_qs(bucket, mats, {i: tuple(ms[i].shape) for i in mats})
+        else:  # warm start: last step's Q, renormalised so its scale cannot drift from step to step
+            for i in mats:
+                self.qs[(bucket.index, i)] = _orthogonalize(self.qs[(bucket.index, i)])
+        qs = [self.qs[(bucket.index, i)] for i in mats]
+        ps = [ms[i] @ q for i, q in zip(mats, qs)]  # (n, r) each
         flat_p = torch.cat([x.reshape(-1) for x in ps])
         comms.ring_all_reduce(ctx, flat_p, group)  # sum_i M_i Q = (sum_i M_i) Q
         ps = [_orthogonalize(x.view_as(y)) for x, y in zip(flat_p.split([y.numel() for y in ps]), ps)]
-        new_q = [m.t() @ ph for m, ph in zip(ms, ps)]  # (m, r): one power-iteration step
+        new_q = [ms[i].t() @ ph for i, ph in zip(mats, ps)]  # (m, r): one power-iteration step
         flat_q = torch.cat([x.reshape(-1) for x in new_q])
         comms.ring_all_reduce(ctx, flat_q, group)
+        flat_q.div_(p)  # Q of the mean gradient
         new_q = [x.view_as(y) for x, y in zip(flat_q.split([y.numel() for y in new_q]), new_q)]
-        for i, m, ph, q in zip(mats, ms, ps, new_q):
-            key = (bucket.index, i)
-            approx = ph @ q.t()  # (n, m): rank-r approximation of the summed gradient
+        for i, ph, q in zip(mats, ps, new_q):
+            approx = ph @ q.t()  # (n, m): rank-r approximation of the mean gradient
             if self.error_feedback:
-                self.errors[key] = m - approx / p  # this rank's share of what the approximation missed
-            self.qs[key] = q
-            m.copy_(approx / p)
-        self.steps += 1
+                self.errors[(bucket.index, i)] = ms[i] - approx  # what this rank's share missed
+            self.qs[(bucket.index, i)] = q
+            ms[i].copy_(approx)
 
     def bytes_per_rank(self, bucket: Any, p: int, rank: int = 0) -> int:
+        """Bytes sent per compressed step (the first `start_iter` steps send the whole bucket)."""
         mats, plain = self._matrices(bucket)
         n_plain = sum(bucket.views[i].numel() for i in plain)
         n_p = sum(bucket.views[i].shape[0] * self.rank for i in mats)

@@ -13,7 +13,7 @@ import torch
 
 import parallel_lab as pl
 from parallel_lab import comms, costmodel, plots
-from parallel_lab.costmodel import planner
+from parallel_lab.costmodel import hardware, planner
 from parallel_lab.moe import MoEConfig, switch_aux_loss
 from parallel_lab.pipeline import PipelineConfig, make_schedule, max_in_flight, simulate, split_layers
 from parallel_lab.quantization import int8_matmul, quantize_absmax
@@ -80,7 +80,13 @@ ROWS = [
     ("cluster gpus negative", lambda: planner.ClusterSpec(gpus=-8), ValueError, "gpus"),
     ("cluster memory nan", lambda: planner.ClusterSpec(gpus=8, memory=NAN), ValueError, "memory"),
     ("cluster inter_bw 0", lambda: planner.ClusterSpec(gpus=8, inter_bw=0), ValueError, "inter_bw"),
-    ("cluster mfu 1.5", lambda: planner.ClusterSpec(gpus=8, mfu=1.5), ValueError, "mfu"),
+    ("cluster gpu not a GPU", lambda: planner.ClusterSpec(gpus=8, gpu="A100"), TypeError, "gpu"),
+    ("gpu gemm_efficiency 1.5", lambda: hardware.GPU("x", 1e12, 1e9, 1e9, 1e9, 1e9, gemm_efficiency=1.5), ValueError, "gemm_efficiency"),
+    ("gpu overlap_slowdown 1", lambda: hardware.GPU("x", 1e12, 1e9, 1e9, 1e9, 1e9, overlap_slowdown=1.0), ValueError, "overlap_slowdown"),
+    ("gpu hbm_bw 0", lambda: hardware.GPU("x", 1e12, 1e9, 0, 1e9, 1e9), ValueError, "hbm_bw"),
+    ("planner checkpointing bad", lambda: planner.evaluate(planner.GPT3, planner.ClusterSpec(gpus=8), 1, 8, 1, 1, "some", 8), ValueError, "checkpointing"),
+    ("planner chunks without pp", lambda: planner.evaluate(planner.GPT3, planner.ClusterSpec(gpus=8), 1, 8, 1, 1, True, 8, chunks=2), ValueError, "chunks"),
+    ("model kv_heads not dividing", lambda: planner.ModelSpec("m", 2, 64, 8, 16, 10, kv_heads=3), ValueError, "kv_heads"),
     ("cluster gpus_per_node 0", lambda: planner.ClusterSpec(gpus=8, gpus_per_node=0), ValueError, "gpus_per_node"),
     ("model heads 0", lambda: planner.ModelSpec("m", 2, 64, 0, 16, 100), ValueError, "heads"),
     ("model layers 0", lambda: planner.ModelSpec("m", 0, 64, 4, 16, 100), ValueError, "layers"),

@@ -150,7 +150,8 @@ def test_planner_finds_bloom_layout():
     no_zero = evaluate(BLOOM, JEAN_ZAY, 8, 4, 12, 0, True, 2048, 2)
     assert no_zero.memory["optim"] / bloom.memory["optim"] == pytest.approx(8, rel=1e-6)  # ZeRO-1 over dp = 8
     z2 = evaluate(BLOOM, JEAN_ZAY, 8, 4, 12, 2, True, 2048, 2)
-    assert z2.time["dp_comm"] > 100 * bloom.time["dp_comm"] and any(
+    # ZeRO-2 under accumulation: a reduce-scatter per micro-batch (128) against one all-reduce a step
+    assert z2.time["dp_comm"] > 20 * bloom.time["dp_comm"] and any(
         "reduce-scatter per micro-batch" in n for n in z2.notes
     )
 

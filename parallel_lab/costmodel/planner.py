@@ -8,13 +8,21 @@ Memory per GPU (the first pipeline stage, the fullest under 1F1B):
   parallelism, times the layers of the stage, times the p micro-batches 1F1B keeps
   in flight; full recomputation keeps only each layer's input (2sbh) plus one
   layer's activations (Chen et al. 2016).
-Time per iteration: FLOPs 72BsLh^2(1 + s/(6h) + V/(16Lh)), 96 with recomputation
-(Narayanan et al. 2021, eq. 3), at an assumed fraction `mfu` of peak, stretched by
-the pipeline bubble (p-1)/m; plus communication the model does not overlap:
-TP 4 all-reduces of bsh per layer and micro-batch (8bsh; Korthikanti et al. 2022), DP one
-all-reduce of the stage's gradients (16h^2 per layer in 16-bit; ZeRO-3 1.5x, Rajbhandari
-et al. 2020 section 7; ZeRO-2/3 under PP once per micro-batch), PP 2bsh per micro-batch and
-boundary. Links: NVLink inside a node, the network across nodes.
+Time per iteration, from the GPU's physics (`costmodel.hardware`, `costmodel.timing`), never a fitted
+fraction of peak: one micro-batch through the slowest pipeline stage is its layers' GEMMs (a roofline
+each) plus their memory-bound ops (traffic over HBM) plus the tensor-parallel all-reduces (exposed:
+two per pass, 2(t-1)/t of the (b, s, h) activation each; the recomputed forward's too), and on the
+last stage the logits. The 1F1B pipeline runs m of them and a bubble of (p-1)/v more (Narayanan et
+al. 2021, v model chunks per stage); each micro-batch sends its activation forward and its gradient
+back (1/t of it from each TP rank, Megatron's scatter/gather). Data parallelism reduces fp32
+gradients once a step, bucketed behind the last micro-batch's backward; ZeRO-2 reduce-scatters every
+micro-batch behind its backward; ZeRO-3 gathers the parameters for the forward, the backward and a
+recomputed forward and reduce-scatters the gradients, every micro-batch, prefetched behind its
+compute (Rajbhandari et al. 2020). Overlapped communication leaves max(0, comm - compute) +
+f·min(comm, compute) exposed (`timing.exposed_seconds`). Recomputation: full reruns every layer's
+forward, selective only the attention's score GEMMs, softmax and dropout (Korthikanti et al. 2022).
+The optimizer step is memory-bound: about 30 bytes per parameter of the GPU's shard.
+MFU is an output: model FLOPs (`training_flops`, no recomputation) per second over the peak.
 Context parallelism (cp, lesson 17): every rank holds s/cp tokens of each sequence, so every
 activation term divides by cp (the score term too: a rank's queries are s/cp); ring attention
 sends per layer and micro-batch (cp-1)·2·bsh/cp·2 bytes forward and that plus cp·2·bsh/cp·4
@@ -24,15 +32,24 @@ the gradient reduction and ZeRO's sharding run over dp x cp ranks (CP ranks hold
 
 Invariant: memory numbers are exact byte counts of the formulas above (and equal
 what the lab's TinyGPT holds, parameter by parameter, when `lab_layout=True`); times
-are a model, stated with their assumptions, for ranking layouts, not promises.
+are a model with one set of constants per GPU kind, checked against published runs
+(`costmodel.published`: every row within 15%).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from parallel_lab.costmodel.context import ring_attention_bytes
 from parallel_lab.costmodel.formulas import _int, _number, model_state_bytes, tp_activation_bytes_per_layer
+from parallel_lab.costmodel.hardware import A100_80GB, GPU
+from parallel_lab.costmodel.timing import (
+    LayerShape,
+    collective_seconds,
+    exposed_seconds,
+    gemm_seconds,
+    layer_times,
+)
 
 #: sequences this long (tokens) or longer make `plan` consider context parallelism by default.
 LONG_SEQUENCE = 16384
@@ -40,7 +57,10 @@ LONG_SEQUENCE = 16384
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A GPT: layers, hidden size, heads, sequence length, vocabulary (Megatron's layer layout)."""
+    """A GPT: layers, hidden size, heads, sequence length, vocabulary (Megatron's layer layout).
+
+    `ffn` (default 4h), `kv_heads` (default: every head has its keys and values) and `gated`
+    (SwiGLU's two input projections) describe Llama-style blocks."""
 
     name: str
     layers: int
@@ -49,20 +69,43 @@ class ModelSpec:
     seq: int
     vocab: int
     tied: bool = True
+    ffn: int | None = None
+    kv_heads: int | None = None
+    gated: bool = False
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
             _int(name, getattr(self, name), 1)
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.ffn is not None:
+            _int("ffn", self.ffn, 1)
+        if self.kv_heads is not None and (
+            _int("kv_heads", self.kv_heads, 1) > self.heads or self.heads % self.kv_heads
+        ):
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+
+    @property
+    def ffn_size(self) -> int:
+        return 4 * self.hidden if self.ffn is None else self.ffn
+
+    @property
+    def kv_size(self) -> int:
+        """Key/value heads: all of them unless grouped-query attention says fewer."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def layer_weights(self) -> int:
+        """Matrix weights of one block: Q, K, V, the output projection, the MLP (12h^2 for GPT)."""
+        h, d = self.hidden, self.hidden // self.heads
+        return h * (h + 2 * self.kv_size * d) + h * h + ((3 if self.gated else 2) * self.ffn_size) * h
 
     @property
     def num_params(self) -> int:
-        """12Lh^2 + 13Lh (blocks) + Vh + sh (embeddings) + 2h (final LayerNorm) (+ Vh untied head)."""
+        """L(12h^2 + 13h) (blocks) + Vh + sh (embeddings) + 2h (final LayerNorm) (+ Vh untied head)."""
         L, h = self.layers, self.hidden
         return (
-            12 * L * h * h
-            + 13 * L * h
+            L * (self.layer_weights + 13 * h)
             + (self.vocab + self.seq) * h
             + 2 * h
             + (0 if self.tied else self.vocab * h)
@@ -75,50 +118,78 @@ BLOOM = ModelSpec("BLOOM-176B", layers=70, hidden=14336, heads=112, seq=2048, vo
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """GPUs, memory each, peak FLOP/s, link bandwidth (bytes/s per GPU) inside and across nodes."""
+    """`gpus` GPUs of one kind (`gpu`, a `costmodel.hardware` preset), `gpus_per_node` per node.
+
+    `memory`, `intra_bw` (NVLink, per GPU and direction) and `inter_bw` (the GPU's network link) default
+    to the preset's; set them to describe another machine (e.g. a slower network)."""
 
     gpus: int
     gpus_per_node: int = 8
-    memory: float = 80e9
-    peak_flops: float = 312e12  # A100 bf16 dense
-    intra_bw: float = 300e9  # NVLink, per direction
-    inter_bw: float = 12.5e9  # 100 Gb/s per GPU
-    mfu: float = 0.5  # fraction of peak the matmuls reach
+    gpu: GPU = A100_80GB
+    memory: float | None = None
+    intra_bw: float | None = None
+    inter_bw: float | None = None
 
     def __post_init__(self) -> None:
         _int("gpus", self.gpus, 1)
         _int("gpus_per_node", self.gpus_per_node, 1)
-        for name in ("memory", "peak_flops", "intra_bw", "inter_bw"):
-            _number(name, getattr(self, name), 0.0, strict=True)
-        if not 0 < _number("mfu", self.mfu) <= 1:
-            raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
+        if not isinstance(self.gpu, GPU):
+            raise TypeError(
+                f"gpu must be a costmodel.hardware.GPU (e.g. A100_80GB), got {type(self.gpu).__name__}"
+            )
+        for name in ("memory", "intra_bw", "inter_bw"):
+            if getattr(self, name) is not None:
+                _number(name, getattr(self, name), 0.0, strict=True)
+
+    @property
+    def device(self) -> GPU:
+        """The GPU with this cluster's overrides of memory and links applied."""
+        return replace(
+            self.gpu,
+            memory=self.memory or self.gpu.memory,
+            nvlink_bw=self.intra_bw or self.gpu.nvlink_bw,
+            network_bw=self.inter_bw or self.gpu.network_bw,
+        )
+
+    @property
+    def peak_flops(self) -> float:
+        return self.gpu.peak_flops
 
 
 #: BLOOM-176B's machine (Jean Zay): 48 nodes x 8 A100 80GB, 4 x 100 Gb/s Omni-Path per node.
-JEAN_ZAY = ClusterSpec(gpus=384, gpus_per_node=8, memory=80e9, inter_bw=4 * 12.5e9 / 8)
+JEAN_ZAY = ClusterSpec(gpus=384, gpus_per_node=8, gpu=A100_80GB, inter_bw=4 * 12.5e9 / 8)
 
 
 @dataclass
 class Plan:
-    """One layout: sizes, bytes per GPU by category, seconds per iteration by part, and notes."""
+    """One layout: sizes, bytes per GPU by category, seconds per iteration by part, and notes.
+
+    `time` splits the iteration: "matmul" and "memory" (non-matmul ops and the optimizer step) are
+    the busy part, then the pipeline "bubble" and the communication each axis leaves exposed
+    ("tp_comm", "pp_comm", "dp_comm", "cp_comm"); "total" is their sum. `mfu` is the model FLOPs
+    (no recomputation) per second over the cluster's peak, `tflops` the FLOPs the GPUs actually run
+    (recomputation included) per GPU, in TFLOP/s."""
 
     dp: int
     tp: int
     pp: int
     zero: int
-    checkpointing: bool
+    checkpointing: bool | str
     microbatches: int
     memory: dict[str, float]
     time: dict[str, float]
     fits: bool
     notes: list[str] = field(default_factory=list)
     cp: int = 1
+    chunks: int = 1
+    mfu: float = 0.0
+    tflops: float = 0.0
 
     def __str__(self) -> str:
-        ck = "ckpt" if self.checkpointing else "    "
+        ck = {False: "    ", True: "ckpt", "full": "ckpt", "selective": "sel "}[self.checkpointing]
         cp = f"cp={self.cp:<2} " if self.cp > 1 else ""
         return (f"dp={self.dp:<3} {cp}tp={self.tp:<2} pp={self.pp:<3} ZeRO-{self.zero} {ck} m={self.microbatches:<4} "
-                f"{self.memory['total'] / 1e9:7.1f} GB/GPU {self.time['total']:7.2f} s/iter")  # fmt: skip
+                f"{self.memory['total'] / 1e9:7.1f} GB/GPU {self.time['total']:7.2f} s/iter MFU {self.mfu:4.0%}")  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:
@@ -149,26 +220,56 @@ def stage_params(model: ModelSpec, tp: int, pp: int, stage: int = 0, lab_layout:
 
 
 def activation_bytes_per_layer(
-    model: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool = False
+    model: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool = False, selective: bool = False
 ) -> float:
-    """Korthikanti et al. 2022: sbh(10 + 24/t + 5as/(ht)) bytes (16-bit, with dropout masks)."""
+    """Korthikanti et al. 2022: sbh(10 + 24/t + 5as/(ht)) bytes (16-bit, with dropout masks); selective
+    recomputation drops the attention's 5as/(ht) term (it is recomputed)."""
     s, b, h, a, t = model.seq, micro_batch, model.hidden, model.heads, tp
+    scores = 0.0 if selective else 5 * a * s / (h * t)
     if sequence_parallel:
-        return s * b * h * (34 / t + 5 * a * s / (h * t))
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        return s * b * h * (34 / t + scores)
+    return s * b * h * (10 + 24 / t + scores)
+
+
+def _recompute(checkpointing: bool | str) -> str:
+    if checkpointing is False or checkpointing == "none":
+        return "none"
+    if checkpointing is True or checkpointing == "full":
+        return "full"
+    if checkpointing == "selective":
+        return "selective"
+    raise ValueError(f"checkpointing must be False, True ('full') or 'selective', got {checkpointing!r}")
+
+
+def training_flops(model: ModelSpec, global_batch: int, recompute: bool | str = False) -> float:
+    """FLOPs of one iteration: 3 x the forward (backward is twice the forward) of every layer, 2s·W + 4s²h
+    per sequence for W matrix weights, and the logits, 2shV; full recomputation runs the layers' forward
+    once more, selective only the attention's 4s²h. For GPT this is Narayanan et al. 2021, eq. 3:
+    96BsLh²(1 + s/6h + V/16Lh) with recomputation, and 72BsLh²(1 + s/6h) + 6BshV without."""
+    rc = _recompute(recompute)
+    s, h, L, V = model.seq, model.hidden, model.layers, model.vocab
+    layer = 2 * s * model.layer_weights + 4 * s * s * h
+    flops = 3 * (L * layer + 2 * s * h * V)
+    flops += {"none": 0, "full": L * layer, "selective": L * 4 * s * s * h}[rc]
+    return float(global_batch) * flops
 
 
 def iteration_flops(model: ModelSpec, global_batch: int, checkpointing: bool) -> float:
-    """Narayanan et al. 2021: 72BsLh^2(1 + s/6h + V/16Lh), 96 (one more forward) with recomputation."""
-    B, s, L, h, V = global_batch, model.seq, model.layers, model.hidden, model.vocab
-    return (96 if checkpointing else 72) * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    """`training_flops` with full recomputation or none (Narayanan et al. 2021, eq. 3)."""
+    return training_flops(model, global_batch, "full" if checkpointing else "none")
 
 
-def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, zero: int, checkpointing: bool,
-             global_batch: int, micro_batch: int = 1, sequence_parallel: bool = False,
-             precision: str = "mixed", optimizer: str = "adam", cp: int = 1) -> Plan:  # fmt: skip
-    """Memory and time of one layout (see the module docstring for every term)."""
+def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, zero: int,
+             checkpointing: bool | str, global_batch: int, micro_batch: int = 1, sequence_parallel: bool = False,
+             precision: str = "mixed", optimizer: str = "adam", cp: int = 1, chunks: int = 1,
+             flash_attention: bool = False) -> Plan:  # fmt: skip
+    """Memory and time of one layout (see the module docstring for every term).
+
+    `checkpointing`: False, True (full recomputation) or "selective" (the attention scores only,
+    Korthikanti et al. 2022). `chunks`: model chunks per pipeline stage (interleaved 1F1B, v)."""
     _int("cp", cp, 1)
+    _int("chunks", chunks, 1)
+    rc = _recompute(checkpointing)
     if dp * cp * tp * pp != cluster.gpus:
         what = "dp * cp * tp * pp" if cp > 1 else "dp * tp * pp"
         raise ValueError(f"{what} = {dp * cp * tp * pp} must equal the cluster's {cluster.gpus} GPUs")
@@ -180,54 +281,101 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
         raise ValueError(
             f"global_batch ({global_batch}) must be divisible by dp x micro_batch = {dp} x {micro_batch}"
         )
+    if chunks > 1 and (pp == 1 or model.layers % (pp * chunks)):
+        raise ValueError(
+            f"chunks ({chunks}) > 1 needs pp > 1 and layers ({model.layers}) divisible by pp x chunks"
+        )
     m = global_batch // (dp * micro_batch)
     notes = []
-    states = model_state_bytes(stage_params(model, tp, pp), dp * cp, zero, optimizer, precision)
+    gpu, gpn = cluster.device, cluster.gpus_per_node
+    r = dp * cp  # replicas of the stage's weights: the gradient reduction runs over all of them
+    n_stage = stage_params(model, tp, pp)
+    states = model_state_bytes(n_stage, r, zero, optimizer, precision)
     L_stage = -(-model.layers // pp)
-    per_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel) / cp
+    per_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, rc == "selective") / cp
     in_flight = min(pp, m)  # 1F1B on the first stage
-    if checkpointing:  # keep each layer's 16-bit input; recompute one layer at a time in backward
+    if rc == "full":  # keep each layer's 16-bit input; recompute one layer at a time in backward
         act = in_flight * L_stage * 2 * model.seq // cp * micro_batch * model.hidden + per_layer
     else:
         act = in_flight * L_stage * per_layer
     memory = {"param": states["param"], "grad": states["grad"], "optim": states["optim"], "activation": act}
     memory["total"] = sum(memory.values())
 
-    compute = iteration_flops(model, global_batch, checkpointing) / (
-        cluster.gpus * cluster.peak_flops * cluster.mfu
+    # one micro-batch through the slowest stage: layers, and on the last stage the logits
+    shape = LayerShape(model.hidden, model.heads, model.seq, micro_batch, model.ffn_size, model.kv_size,
+                       model.gated, tp, cp, sequence_parallel, flash_attention)  # fmt: skip
+    lt = layer_times(gpu, shape, tp_inside_node=tp <= gpn)
+    mm = lt.matmul_fwd + lt.matmul_bwd + {"none": 0.0, "full": lt.matmul_fwd, "selective": 0.0}[rc]
+    mem = (
+        lt.memory_fwd
+        + lt.memory_bwd
+        + {"none": 0.0, "full": lt.memory_fwd, "selective": lt.attention_fwd}[rc]
     )
-    bubble = compute * (pp - 1) / m  # Megatron's bubble-to-compute ratio
-    gpn = cluster.gpus_per_node
-    bw = lambda inside: cluster.intra_bw if inside else cluster.inter_bw  # noqa: E731
+    tpc = lt.tp_comm_fwd + lt.tp_comm_bwd + (lt.tp_comm_fwd if rc == "full" else 0.0)
+    T = shape.tokens
+    V = model.vocab / tp
+    logits_mm = gemm_seconds(gpu, T, V, model.hidden) + 2 * gemm_seconds(gpu, T, model.hidden, V)
+    logits_mem = 12 * T * V / gpu.hbm_bw  # 16-bit logits in, fp32 softmax and its gradient
+    L_last = model.layers - (pp - 1) * L_stage if pp > 1 else model.layers
+    stages = (
+        [(L_stage, 0.0, 0.0), (L_last, logits_mm, logits_mem)]
+        if pp > 1
+        else [(model.layers, logits_mm, logits_mem)]
+    )
+    per_mb = max(
+        ({"matmul": n * mm + lmm, "memory": n * mem + lmem, "tp_comm": n * tpc} for n, lmm, lmem in stages),
+        key=lambda d: sum(d.values()),
+    )
+    t_mb = sum(per_mb.values())
+    bwd_mb = L_stage * (lt.matmul_bwd + lt.memory_bwd)  # what a gradient reduction can hide behind
+
+    time = {k: m * v for k, v in per_mb.items()}
+    time["bubble"] = (pp - 1) / chunks * t_mb  # 1F1B: (p-1)/v micro-batch times of fill and drain
+    # pipeline sends: an activation forward and its gradient back per micro-batch and chunk; Megatron's
+    # scatter/gather sends 1/tp of it from each tensor-parallel rank
     x = micro_batch * model.seq // cp * model.hidden * 2  # one (b, s/cp, h) activation in 16-bit, bytes
-    passes = 6 if checkpointing else 4  # all-reduces per layer and micro-batch (recompute redoes forward's 2)
-    tp_comm = (L_stage * m * passes * 2 * (tp - 1) / tp * x / bw(tp <= gpn)) if tp > 1 else 0.0
-    grads = stage_params(model, tp, pp) * 2  # 16-bit gradients of the stage
-    dp_inside = dp * cp * tp <= gpn
-    r = dp * cp  # replicas of the stage's weights: the gradient reduction runs over all of them
-    dp_comm = 2 * (r - 1) / r * grads / bw(dp_inside) * (1.5 if zero == 3 else 1.0) if r > 1 else 0.0
-    if zero >= 2 and pp > 1 and r > 1:
-        dp_comm *= m
-        notes.append("ZeRO-2/3 under PP: a reduce-scatter per micro-batch")
     pp_inside = dp * cp * tp * pp <= gpn
-    pp_comm = (m + pp - 1) * 2 * x / bw(pp_inside) if pp > 1 else 0.0
+    link = (gpu.nvlink_bw if pp_inside else gpu.network_bw) * gpu.link_efficiency
+    time["pp_comm"] = (m + pp - 1) * chunks * 2 * x / tp / link if pp > 1 else 0.0
+
+    dp_inside = dp * cp * tp <= gpn
+    param16 = n_stage * 2
+    if r == 1:
+        dp_comm = 0.0
+    elif zero <= 1:  # one all-reduce (ZeRO-1: reduce-scatter + all-gather, the same bytes) of fp32 gradients,
+        # bucketed behind the last micro-batch's backward
+        dp_comm = exposed_seconds(gpu, collective_seconds(gpu, n_stage * 4, r, dp_inside, phases=2), bwd_mb)
+    elif zero == 2:  # a reduce-scatter per micro-batch behind its backward, then the parameter all-gather
+        rs = collective_seconds(gpu, param16, r, dp_inside)
+        dp_comm = m * exposed_seconds(gpu, rs, bwd_mb) + collective_seconds(gpu, param16, r, dp_inside)
+        notes.append("ZeRO-2 under accumulation: a reduce-scatter per micro-batch")
+    else:  # ZeRO-3: gathers for forward, backward (and the recomputed forward), a reduce-scatter, per
+        # micro-batch, each prefetched behind the compute of the layers before it
+        gathers = 3 if rc == "full" else 2
+        comm_mb = (gathers + 1) * collective_seconds(gpu, param16, r, dp_inside)
+        dp_comm = m * exposed_seconds(gpu, comm_mb, t_mb)
+    time["dp_comm"] = dp_comm
     cp_comm = 0.0
     if cp > 1:  # ring attention per layer and micro-batch, minus what the attention's compute hides
         ring = ring_attention_bytes(micro_batch, model.heads // tp, model.seq // cp, model.hidden // model.heads,
                                     cp, itemsize=2)  # fmt: skip
-        attn_flops = 4 * micro_batch * (model.seq // cp) * model.seq * model.hidden // tp  # forward, per rank
-        hide = attn_flops / (cluster.peak_flops * cluster.mfu)
-        link = bw(cp * tp <= gpn)
-        exposed = max(0.0, ring["forward"] / link - hide) + max(0.0, ring["backward"] / link - 2 * hide)
+        hide = lt.attention_fwd  # the attention's own compute, forward; twice that backward
+        link = (gpu.nvlink_bw if cp * tp <= gpn else gpu.network_bw) * gpu.link_efficiency
+        exposed = exposed_seconds(gpu, ring["forward"] / link, hide) + exposed_seconds(
+            gpu, ring["backward"] / link, 2 * hide
+        )
         cp_comm = L_stage * m * exposed
-    time = {"compute": compute, "bubble": bubble, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm,
-            "cp_comm": cp_comm}  # fmt: skip
+    time["cp_comm"] = cp_comm
+    # the optimizer step: Adam reads and writes fp32 master weights, moments and gradients (~30 bytes a parameter)
+    time["memory"] += 30 * n_stage / (r if zero >= 1 else 1) / gpu.hbm_bw
     time["total"] = sum(time.values())
     if tp > gpn:
         notes.append("TP across nodes")
-    return Plan(
-        dp, tp, pp, zero, checkpointing, m, memory, time, memory["total"] <= cluster.memory, notes, cp
-    )
+    seconds = time["total"]
+    mfu = training_flops(model, global_batch) / (seconds * cluster.gpus * gpu.peak_flops)
+    tflops = training_flops(model, global_batch, rc) / (seconds * cluster.gpus) / 1e12
+    return Plan(dp, tp, pp, zero, checkpointing, m, memory, time, memory["total"] <= gpu.memory, notes, cp,
+                chunks, mfu, tflops)  # fmt: skip
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, micro_batch: int = 1,

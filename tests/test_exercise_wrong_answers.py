@@ -180,6 +180,12 @@ def mesh_groups(dp, tp, pp, rank):
 ''', "switched off"),
     ("10", "check_mesh_groups", "dp and tp swapped", edit("10", "mesh_groups", '"dp": rank // tp % dp, "tp": rank % tp', '"dp": rank % dp, "tp": rank // dp % tp'), "rank"),
     ("10", "check_comm_bytes_per_layer", "two all-reduces per layer, not four", edit("10", "comm_bytes_per_layer", '"tp": 4 * ring_all_reduce', '"tp": 2 * ring_all_reduce'), "tp"),
+    ("10", "check_exposed", "perfect overlap", edit("10", "exposed", " + f * min(comm, compute)", ""), "perfect overlap"),
+    ("10", "check_exposed", "f on the whole collective", edit("10", "exposed", "f * min(comm, compute)", "f * comm"), "only the overlapped part"),
+    ("10", "check_exposed", "wraps the lab's law", "from dataclasses import replace\nfrom parallel_lab.costmodel import A100_80GB, exposed_seconds\n"
+     "def exposed(comm, compute, f):\n    return exposed_seconds(replace(A100_80GB, overlap_slowdown=f), comm, compute)\n", "switched off"),
+    ("10", "check_dominant_terms", "ZeRO-3 blamed on memory", edit("10", "dominant_terms", '"A": "dp_comm"', '"A": "memory"'), "biggest loss is 'dp_comm'"),
+    ("10", "check_dominant_terms", "a guess left out", edit("10", "dominant_terms", '"D": "memory"', '"D": None'), "predict layouts ['D']"),
     # ---- 11 MoE
     ("11", "check_top_k_router", "token-major order", edit("11", "route_top_k", "    for c in range(k):  # first choices of every token before any second choice\n        for t in range(n):",
      "    for t in range(n):\n        for c in range(k):"), "slot"),

@@ -100,12 +100,12 @@ PUBLISHED = [
     PublishedRun(NARAYANAN, "Table 2, ZeRO-3", GPT3_175B, 768, 768, 1, 1, 2, 1536, True, 88, zero=3),
     PublishedRun(NARAYANAN, "Table 2, ZeRO-3", GPT3_175B, 1536, 1536, 1, 1, 1, 1536, True, 44, zero=3),
     # Selective recomputation with sequence parallelism against full recomputation: MFU
-    PublishedRun(KORTHIKANTI, "abstract and section 6", GPT_530B, 2240, 8, 8, 35, 1, 2240, "selective", 0.542,
+    PublishedRun(KORTHIKANTI, "abstract, section 6", GPT_530B, 2240, 8, 8, 35, 1, 2240, "selective", 0.542,
                  metric="mfu", sequence_parallel=True, assumed="global batch 2240 (280 micro-batches a pipeline)"),
-    PublishedRun(KORTHIKANTI, "abstract and section 6", GPT_530B, 2240, 8, 8, 35, 1, 2240, True, 0.421,
+    PublishedRun(KORTHIKANTI, "abstract, section 6", GPT_530B, 2240, 8, 8, 35, 1, 2240, True, 0.421,
                  metric="mfu", assumed="global batch 2240 (280 micro-batches a pipeline)"),
     # BLOOM on Jean Zay: 4 x 100 Gb/s Omni-Path per 8-GPU node
-    PublishedRun(BIGSCIENCE, "model card, Speeds, Sizes, Times", BLOOM, 384, 8, 4, 12, 2, 2048, True, 150,
+    PublishedRun(BIGSCIENCE, "model card", BLOOM, 384, 8, 4, 12, 2, 2048, True, 150,
                  inter_bw=4 * 12.5e9 / 8),
 ]  # fmt: skip
 
@@ -116,9 +116,9 @@ PUBLISHED = [
 #: both; the planner predicts what the hardware allows, and these rows show what a software stack
 #: can leave on the table. Listed, plotted, and not in the validation.
 OTHER_SOFTWARE = [
-    PublishedRun(SMITH, "section 3.3, Table 1", GPT_530B, 2240, 8, 8, 35, 1, 1920, True, 126),
-    PublishedRun(SMITH, "section 3.3, Table 1", GPT_530B, 2800, 10, 8, 35, 1, 1920, True, 121),
-    PublishedRun(SMITH, "section 3.3, Table 1", GPT_530B, 3360, 12, 8, 35, 1, 1920, True, 113),
+    PublishedRun(SMITH, "section 3.3", GPT_530B, 2240, 8, 8, 35, 1, 1920, True, 126),
+    PublishedRun(SMITH, "section 3.3", GPT_530B, 2800, 10, 8, 35, 1, 1920, True, 121),
+    PublishedRun(SMITH, "section 3.3", GPT_530B, 3360, 12, 8, 35, 1, 1920, True, 113),
 ]  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""Checks for lesson 10's exercises: one rank's place on the DP x TP x PP mesh, and what each axis sends.
+"""Checks for lesson 10's exercises: one rank's place on the DP x TP x PP mesh, what each axis sends, and
+where a large run's iteration goes.
 
 The mesh check compares the learner's coordinates and groups with `ParallelDims` on
 every rank of every mesh with dp, tp, pp in 1..4 (at most 32 ranks), and recognises
@@ -6,7 +7,10 @@ the usual slip of numbering TP outermost. The bytes check compares with the lab'
 formulas: TP with `tensor_parallel.transformer.tp_comm_bytes_per_layer` (4 ring all-reduces of
 b·s·h per layer, forward + backward), DP with `costmodel.allreduce_bytes_per_rank` on
 the rank's share of a layer's 12h² weight gradients (lesson 10, section 2), on many
-sizes including GPT-3's layer.
+sizes including GPT-3's layer. The overlap check compares the learner's exposed time with the
+planner's law, max(0, comm - compute) + f·min(comm, compute), on a grid of cases; the prediction check
+compares the learner's four guesses with the planner's breakdown of four published-scale layouts, and
+shows the breakdown when a guess is wrong.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ FORBIDDEN = {
     "torch.distributed.device_mesh.init_device_mesh": "",
 }
 
-__all__ = ["check_comm_bytes_per_layer", "check_mesh_groups"]
+__all__ = ["check_comm_bytes_per_layer", "check_dominant_terms", "check_exposed", "check_mesh_groups"]
 
 AXES = ("pp", "dp", "tp")
 _MESHES = [(d, t, p) for d in (1, 2, 3, 4) for t in (1, 2, 3, 4) for p in (1, 2, 3, 4) if d * t * p <= 32]
@@ -113,3 +117,79 @@ def check_comm_bytes_per_layer(fn: Callable[..., dict]) -> None:
                 raise AssertionError(f"{where}['{axis}'] is {g!r}, expected {want[axis]!r}. {hint}".rstrip())
     assert fn(1, 2048, 4096, 2, 2) == fn(1, 2048, 4096, 2, 2, itemsize=2), "itemsize defaults to 2 (16-bit)"
     passed("check_comm_bytes_per_layer", f"{len(cases)} cases, GPT-3's layer among them")
+
+
+def check_exposed(fn: Callable[[float, float, float], float]) -> None:
+    """`fn(comm, compute, f)` -> seconds a collective of `comm` seconds adds beside `compute` seconds of work."""
+    require_callable(fn)
+    fn = guarded(fn, {**family("parallel_lab.costmodel.timing")}, "this exercise (exposed)")
+    grid = (0.0, 0.5, 1.0, 2.0, 5.0)
+    cases = [(c, k, f) for c in grid for k in grid for f in (0.0, 0.15, 0.5)]
+    for comm, compute, f in cases:
+        where = f"exposed(comm={comm}, compute={compute}, f={f})"
+        got = fn(comm, compute, f)
+        assert isinstance(got, (int, float)) and not isinstance(got, bool), (
+            f"{where} must return a number of seconds, got {type(got).__name__}"
+        )
+        want = max(0.0, comm - compute) + f * min(comm, compute)
+        if abs(got - want) > 1e-12:
+            perfect = max(0.0, comm - compute)
+            slips = [
+                (perfect, "that is perfect overlap; while both run, each is slowed by f, so the overlapped part, "
+                 "min(comm, compute), costs f of itself."),
+                (comm, "that is no overlap at all: the collective runs beside the compute."),
+                (perfect + f * comm, "only the overlapped part pays f: f·min(comm, compute), not f·comm."),
+                (max(comm - compute, f * comm), "f applies to the overlapped part, min(comm, compute), and adds to "
+                 "what sticks out, max(0, comm - compute)."),
+            ]  # fmt: skip
+            hint = next((t for v, t in slips if abs(got - v) <= 1e-12), "")
+            raise AssertionError(f"{where} is {got!r}, expected {want!r}. {hint}".rstrip())
+    passed("check_exposed", f"{len(cases)} cases")
+
+
+#: The four layouts of exercise 3: (description, planner arguments). Every one on DGX A100 80GB nodes.
+LAYOUTS = {
+    "A": ("GPT-3 175B, ZeRO-3 without model parallelism, 1536 GPUs, micro-batch 1", "zero3"),
+    "B": ("GPT 530B, tp 8, pp 35, dp 8 on 2240 GPUs, 280 micro-batches of 1", "ptdp530"),
+    "C": ("GPT-3 175B, tp 16 (two nodes), pp 12, dp 2 on 384 GPUs", "tp16"),
+    "D": ("GPT 1.7B, data parallel on 32 GPUs, micro-batch 16", "small"),
+}
+TERMS = ("memory", "bubble", "tp_comm", "pp_comm", "dp_comm")
+
+
+def _plan(key: str):
+    from parallel_lab.costmodel import GPT3_175B, GPT_530B, ClusterSpec, ModelSpec, evaluate
+
+    small = ModelSpec("GPT 1.7B", layers=24, hidden=2304, heads=24, seq=2048, vocab=51200)
+    args = {
+        "zero3": (GPT3_175B, 1536, 1536, 1, 1, 3, 1536, 1),
+        "ptdp530": (GPT_530B, 2240, 8, 8, 35, 1, 2240, 1),
+        "tp16": (GPT3_175B, 384, 2, 16, 12, 1, 1536, 1),
+        "small": (small, 32, 32, 1, 1, 1, 512, 16),
+    }[key]
+    model, gpus, dp, tp, pp, zero, batch, micro = args
+    return evaluate(model, ClusterSpec(gpus), dp, tp, pp, zero, True, batch, micro)
+
+
+def check_dominant_terms(predictions: dict) -> None:
+    """`predictions` maps "A".."D" to the term you expect to cost the most after the matmuls themselves."""
+    assert isinstance(predictions, dict), (
+        f"predictions must be a dict keyed 'A'..'D', got {type(predictions).__name__}"
+    )
+    missing = [k for k in LAYOUTS if predictions.get(k) not in TERMS]
+    assert not missing, (
+        f"predict layouts {missing}: each value one of {TERMS} (got {[predictions.get(k) for k in missing]})"
+    )
+    for key, (what, plan_key) in LAYOUTS.items():
+        t = _plan(plan_key).time
+        parts = {name: t[name] for name in TERMS}
+        biggest = max(parts, key=parts.get)
+        if predictions[key] != biggest:
+            shares = ", ".join(
+                f"{n} {v / t['total']:.0%}" for n, v in sorted(parts.items(), key=lambda x: -x[1])
+            )
+            raise AssertionError(
+                f"{key} ({what}): you predicted {predictions[key]!r}; the planner's biggest loss is {biggest!r}. "
+                f"Its iteration: matmul {t['matmul'] / t['total']:.0%}, {shares}."
+            )
+    passed("check_dominant_terms", "4 layouts, each the planner's biggest loss")

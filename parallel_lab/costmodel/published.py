@@ -128,13 +128,14 @@ def validation_table(runs: list[PublishedRun] | None = None) -> list[dict]:
     for run in PUBLISHED if runs is None else runs:
         pred = run.predicted()
         out.append({"run": run.label, "source": run.source.split(",")[0], "where": run.where, "metric": run.metric,
-                    "published": run.published, "predicted": pred, "error": pred / run.published - 1})  # fmt: skip
+                    "published": run.published, "predicted": pred, "error": pred / run.published - 1.0})  # fmt: skip
     return out
 
 
 __all__ = [
     "GPT3_175B",
     "GPT_1T",
+    "GPT_1_7B",
     "GPT_530B",
     "OTHER_SOFTWARE",
     "PUBLISHED",

@@ -79,38 +79,39 @@ class LayerShape:
         return self.micro_batch * self.seq / self.cp
 
 
-def layer_matmul_seconds(gpu: GPU, x: LayerShape) -> dict[str, float]:
-    """Forward GEMM time of one layer, split {"linear", "attention"} (the s x s score and value GEMMs)."""
+def _layer_gemms(x: LayerShape) -> dict[str, list[tuple[float, float, float]]]:
+    """One layer's forward GEMMs as (M, N, K): the linear layers, and the s x s score and value GEMMs
+    (each batched over b · a/t heads)."""
     T, h, t = x.tokens, x.hidden, x.tp
     d = h // x.heads
     qkv = h + 2 * x.kv_heads * d
     mlp_in = (2 if x.gated else 1) * x.ffn
-    linear = (
-        gemm_seconds(gpu, T, qkv / t, h)  # Q, K, V
-        + gemm_seconds(gpu, T, h, h / t)  # attention output projection
-        + gemm_seconds(gpu, T, mlp_in / t, h)  # fc1 (gate and up for SwiGLU)
-        + gemm_seconds(gpu, T, h, x.ffn / t)  # fc2
-    )
-    per_head = x.micro_batch * x.heads / t  # batched over sequences and this GPU's heads
-    fused = x.flash_attention
-    attention = gemm_seconds(gpu, x.seq / x.cp, x.seq, d, per_head, fused) + gemm_seconds(
-        gpu, x.seq / x.cp, d, x.seq, per_head, fused
-    )
-    return {"linear": linear, "attention": attention}
+    return {
+        # Q, K, V; output projection; fc1 (gate and up for SwiGLU); fc2
+        "linear": [(T, qkv / t, h), (T, h, h / t), (T, mlp_in / t, h), (T, h, x.ffn / t)],
+        "attention": [(x.seq / x.cp, x.seq, d), (x.seq / x.cp, d, x.seq)],
+    }
+
+
+def layer_matmul_seconds(gpu: GPU, x: LayerShape) -> dict[str, float]:
+    """Forward GEMM time of one layer, split {"linear", "attention"} (the s x s score and value GEMMs)."""
+    g = _layer_gemms(x)
+    per_head = x.micro_batch * x.heads / x.tp  # batched over sequences and this GPU's heads
+    return {
+        "linear": sum(gemm_seconds(gpu, m, n, k) for m, n, k in g["linear"]),
+        "attention": sum(
+            gemm_seconds(gpu, m, n, k, per_head, x.flash_attention) for m, n, k in g["attention"]
+        ),
+    }
 
 
 def layer_backward_matmul_seconds(gpu: GPU, x: LayerShape) -> float:
     """Backward GEMM time of one layer: for each forward GEMM (M, N, K), the input gradient (M, K, N)
     and the weight gradient (K, N, M)."""
-    T, h, t = x.tokens, x.hidden, x.tp
-    d = h // x.heads
-    qkv = h + 2 * x.kv_heads * d
-    mlp_in = (2 if x.gated else 1) * x.ffn
-    total = 0.0
-    for m, n, k in ((T, qkv / t, h), (T, h, h / t), (T, mlp_in / t, h), (T, h, x.ffn / t)):
-        total += gemm_seconds(gpu, m, k, n) + gemm_seconds(gpu, k, n, m)
-    per_head = x.micro_batch * x.heads / t
-    for m, n, k in ((x.seq / x.cp, x.seq, d), (x.seq / x.cp, d, x.seq)):
+    g = _layer_gemms(x)
+    per_head = x.micro_batch * x.heads / x.tp
+    total = sum(gemm_seconds(gpu, m, k, n) + gemm_seconds(gpu, k, n, m) for m, n, k in g["linear"])
+    for m, n, k in g["attention"]:
         fused = x.flash_attention
         total += gemm_seconds(gpu, m, k, n, per_head, fused) + gemm_seconds(gpu, k, n, m, per_head, fused)
     return total

@@ -158,9 +158,9 @@ TERMS = ("memory", "bubble", "tp_comm", "pp_comm", "dp_comm")
 
 
 def _plan(key: str):
-    from parallel_lab.costmodel import GPT3_175B, GPT_530B, ClusterSpec, ModelSpec, evaluate
+    from parallel_lab.costmodel import GPT3_175B, GPT_530B, ClusterSpec, evaluate
+    from parallel_lab.costmodel import GPT_1_7B as small
 
-    small = ModelSpec("GPT 1.7B", layers=24, hidden=2304, heads=24, seq=2048, vocab=51200)
     args = {
         "zero3": (GPT3_175B, 1536, 1536, 1, 1, 3, 1536, 1),
         "ptdp530": (GPT_530B, 2240, 8, 8, 35, 1, 2240, 1),

@@ -6,7 +6,8 @@ and for each lesson Chromium (playwright's sync API) clears all outputs, runs al
 moves every control of every `interactive` view to two other values. After each move: exactly one
 figure in that view's figure area, a different image than before, no error. A view that draws
 live must show more than one frame during a run and end on the final figure. Screenshots go to
-runs/browser/ (not committed). Needs Debian's chromium (`apt-get install -y chromium`) and the
+runs/browser/ (not committed), each beside a text report: the lesson's Run All time, the views,
+the controls moved and the redraws checked. Needs Debian's chromium (`apt-get install -y chromium`) and the
 `playwright` package; their absence is a failure, not a skip.
 """
 
@@ -398,6 +399,8 @@ def test_lesson_in_jupyterlab(lesson, lab):
                 report.append(f"  live view: {live[0]} frames, ended on the final figure")
             assert not page_errors, f"{lesson}: page errors {page_errors}"
             page.screenshot(path=str(SHOTS / f"{stem}.png"), full_page=False)
+            # what was checked, beside the screenshot: the widgets moved, redraws, Run All time
+            (SHOTS / f"{stem}.txt").write_text("\n".join(report) + "\n")
         finally:
             browser.close()
             with contextlib.suppress(Exception):  # this lesson's kernel: the next lesson gets the cores

@@ -22,6 +22,7 @@ from parallel_lab.comms.core import (
     _combine,
     _flat,
     check_same_shape,
+    independent_messages,
 )
 
 
@@ -42,7 +43,7 @@ def _ring_reduce_scatter(o: TracedOp, chunks: list[torch.Tensor], op: str, inpla
     for s in range(p - 1):
         k = (me - s - 2) % p  # the chunk arriving now
         got = bufs[s % len(bufs)][: chunks[k].numel()]
-        o.xchg(acc, right, got, left, "reduce-scatter")
+        o.xchg(acc, right, got, left, "reduce-scatter", tag=o.steps)  # every rank is at the same step
         acc = o.combine(chunks[k], got, op, out=chunks[k] if inplace else got)
     return acc
 
@@ -51,7 +52,8 @@ def _ring_all_gather(o: TracedOp, chunks: list[torch.Tensor]) -> None:
     """p-1 steps; at step s rank r forwards chunk r-s to the right and receives chunk r-s-1 in place."""
     p, me = o.p, o.me
     for s in range(p - 1):
-        o.xchg(chunks[(me - s) % p], (me + 1) % p, chunks[(me - s - 1) % p], (me - 1) % p, "all-gather")
+        o.xchg(chunks[(me - s) % p], (me + 1) % p, chunks[(me - s - 1) % p], (me - 1) % p, "all-gather",
+               tag=o.steps)  # fmt: skip
 
 
 def ring_reduce_scatter(
@@ -115,7 +117,7 @@ def ring_all_reduce(
 
 # ----------------------------------------------------------------------------- ring, pipelined
 def ring_all_reduce_pipelined(
-    ctx, tensor: torch.Tensor, group=None, op: str = "sum", segment_bytes: int = 4 << 20
+    ctx, tensor: torch.Tensor, group=None, op: str = "sum", segment_bytes: int | None = None
 ) -> torch.Tensor:
     """`ring_all_reduce` with every chunk cut into segments that flow independently.
 
@@ -123,21 +125,27 @@ def ring_all_reduce_pipelined(
     a segment is forwarded to the right as soon as it is reduced, while the next ones
     are still on the wire, so sending, receiving and adding overlap instead of taking
     turns (this is what gloo's and NCCL's rings do). Receives for a step are posted one
-    step ahead into one of two alternating buffers.
+    step ahead into one of two alternating buffers. `segment_bytes` (default: a quarter
+    of a chunk, at least 1 MiB) trades overlap against the fixed cost of each message.
     """
     _check_dtype(tensor)
     _check_op(op)
-    if not isinstance(segment_bytes, int) or segment_bytes < 1:
-        raise ValueError(f"segment_bytes must be a positive int, got {segment_bytes!r}")
+    if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
+        raise ValueError(f"segment_bytes must be a positive int or None, got {segment_bytes!r}")
     with TracedOp(ctx, "ring_all_reduce", tensor, group) as o:
         check_same_shape(ctx, tensor, "ring_all_reduce", o.group, op=op)
         flat = _flat(tensor)  # (n,)
         chunks = _chunks(flat, o.p)
         if o.p > 1:
+            if segment_bytes is None:  # four segments a chunk: enough overlap, few messages
+                segment_bytes = max(_MIN_SEGMENT, -(-chunks[0].numel() * flat.element_size() // 4))
             _pipelined_ring(o, chunks, op, max(1, segment_bytes // flat.element_size()))
         if not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
     return tensor
+
+
+_MIN_SEGMENT = 1 << 20  # bytes: below this a message's fixed cost outweighs the overlap it buys
 
 
 def _pipelined_ring(o: TracedOp, chunks: list[torch.Tensor], op: str, seg: int) -> None:
@@ -146,7 +154,11 @@ def _pipelined_ring(o: TracedOp, chunks: list[torch.Tensor], op: str, seg: int) 
 
     Each segment's send to the right and its receive from the left are posted together, as one
     batch (`TracedOp.post`): NCCL runs each batch as one kernel on its stream, in order, so a
-    receive posted on its own would block the send queued behind it on every rank at once."""
+    receive posted on its own would block the send queued behind it on every rank at once.
+    Where messages run on their own (gloo) every all-gather receive is posted at the start
+    instead, in place, one tag per step: a sender must wait for its receiver to post, and
+    the data of a chunk can arrive only once the chunk is fully reduced, after our own last
+    send of it."""
     p, me = o.p, o.me
     right, left = (me + 1) % p, (me - 1) % p
     width = max(c.numel() for c in chunks)
@@ -162,11 +174,21 @@ def _pipelined_ring(o: TracedOp, chunks: list[torch.Tensor], op: str, seg: int) 
         land = list(bufs[s % 2][: chunks[k].numel()].split(seg)) if s < p - 1 else targets
         return land, targets
 
+    pre = independent_messages(o.group)
+    early: dict[tuple[int, int], list] = {}  # (all-gather step, segment) -> its receive, posted now
+    if pre:
+        for s in range(p - 1, last):
+            for j, t in enumerate(landing(s)[0]):
+                early[s, j] = o.post(None, right, t, left, tag=s * _MAX_SEGMENTS + j)
+
     def post(s: int, j: int, out: list[torch.Tensor], land: list[torch.Tensor]) -> list:
         """Step s, segment j: send out[j] right and receive land[j] from the left, one batch."""
         send = out[j] if j < len(out) else None
+        tag = s * _MAX_SEGMENTS + j  # a tag per message of the call (`TracedOp.post`)
+        if pre and s >= p - 1:
+            return o.post(send, right, None, left, tag=tag) + early.pop((s, j), [])
         recv = land[j] if j < len(land) else None
-        return o.post(send, right, recv, left)
+        return o.post(send, right, recv, left, tag=tag)
 
     out = list(chunks[(me - 1) % p].split(seg))  # step 0 sends our own chunk r-1
     land, targets = landing(0)

@@ -19,6 +19,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -124,6 +125,43 @@ def choose_start_method(start_method: str, backend: str, threads: int | None) ->
 
 
 # ---------------------------------------------------------------------------- the rank side
+class _Batched:
+    """The rank's trace sink: events, memory samples and collective entries leave in batches.
+
+    One queue message per event would wake the queue's feeder thread and the parent each time;
+    on a 2-core machine that took ~0.5 ms from every traced collective (measured on a 2-rank
+    ring all-reduce). A daemon thread sends what has gathered every `every` seconds, so a rank
+    blocked inside a collective still reports that it entered it; `close()` sends the rest
+    before the rank's result or error, which keeps the parent's order."""
+
+    def __init__(self, q, every: float = 0.02):
+        self.q, self.every = q, every
+        self._buf: list[tuple[str, dict]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trace-sink", daemon=True)
+        self._thread.start()
+
+    def __call__(self, what: str, payload: dict) -> None:
+        with self._lock:
+            self._buf.append((what, payload))
+
+    def flush(self) -> None:
+        with self._lock:
+            buf, self._buf = self._buf, []
+        if buf:
+            self.q.put(("batch", buf))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.flush()
+
+
 class _QueueWriter:
     """stdout/stderr of a rank, forwarded to the parent so prints land in the notebook cell.
 
@@ -178,6 +216,7 @@ def _worker(
     os.environ[IN_RANK_ENV] = str(rank)
     sys.stdout = _QueueWriter(q, "stdout", rank)
     sys.stderr = _QueueWriter(q, "stderr", rank)
+    sink = None
     try:
         if isinstance(payload, bytes):  # spawn: the function came by value
             import cloudpickle
@@ -199,9 +238,9 @@ def _worker(
             **mesh.group_kwargs(device),
         )
         q.put(("ready", {"rank": rank}))
+        sink = _Batched(q)
         ctx = _make_context(
-            rank, world_size, rank, backend, t0, seed, lambda w, p: q.put((w, p)), check_shapes, track_memory,
-            device=device,
+            rank, world_size, rank, backend, t0, seed, sink, check_shapes, track_memory, device=device,
         )  # fmt: skip
         value = _run_fn(ctx, fn, args, kwargs)
         # Pickled here, by value: through the queue torch would share tensors by file
@@ -214,6 +253,8 @@ def _worker(
                 f"pickling it failed with {type(e).__name__}: {e}. Return tensors, numbers, strings, or "
                 "lists and dicts of them."
             ) from None
+        sink.close()  # every event before the result
+        sink = None
         q.put(("result", {"rank": rank, "value": blob, "comm": ctx.recorder.comm_totals()}))
         try:
             dist.barrier()  # nobody tears down sockets a peer still reads from
@@ -226,6 +267,8 @@ def _worker(
         if isinstance(e, SystemExit):  # sys.exit(): say so, the bare code means nothing on its own
             e = SystemExit(f"the function called sys.exit({e.code!r})")
         try:
+            if sink is not None:
+                sink.close()  # what the rank did before it failed, then the failure
             q.put(("error", {"rank": rank, "type": type(e).__name__, "message": str(e), "traceback": tb}))
         except Exception:
             pass

@@ -19,14 +19,20 @@ def _drain(q, wait: float = 0.05, limit: int = 10_000) -> list:
     Draining in batches matters: a live redraw between every two messages would let a
     chatty run fall minutes behind."""
     try:
-        batch = [q.get(timeout=wait)]
+        got = [q.get(timeout=wait)]
     except queue.Empty:
         return []
-    while len(batch) < limit:
+    while len(got) < limit:
         try:
-            batch.append(q.get_nowait())
+            got.append(q.get_nowait())
         except queue.Empty:
             break
+    batch = []
+    for what, msg in got:  # a rank's trace arrives in batches (launch._Batched): opened here
+        if what == "batch":
+            batch.extend(msg)
+        else:
+            batch.append((what, msg))
     return batch
 
 

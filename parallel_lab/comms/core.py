@@ -343,9 +343,10 @@ class TracedOp:
 
     def post(self, send, dst, recv, src, tag: int = 0) -> list:
         """Start a send to `dst` and a receive from `src` together (`post_p2p`), tallying both;
-        returns the works to wait on. Give each step of a collective its own `tag`: gloo holds a
-        message on a tag its pair has just used until that one is acknowledged (~2 ms on loopback,
-        measured), and its own collectives take a fresh tag every time."""
+        returns the works to wait on. gloo matches a receive to a message by sender and `tag`, in
+        posting order: a collective that posts receives ahead of time gives each message of the
+        call its own tag, so an early receive cannot take a message meant for another step (gloo's
+        own collectives take a fresh tag each call). NCCL ignores tags and matches by order."""
         sends = [(send, dst)] if send is not None and send.numel() > 0 else []
         recvs = [(recv, src)] if recv is not None and recv.numel() > 0 else []
         for t, r in sends:

@@ -156,9 +156,9 @@ def _pipelined_ring(o: TracedOp, chunks: list[torch.Tensor], op: str, seg: int) 
     batch (`TracedOp.post`): NCCL runs each batch as one kernel on its stream, in order, so a
     receive posted on its own would block the send queued behind it on every rank at once.
     Where messages run on their own (gloo) every all-gather receive is posted at the start
-    instead, in place, one tag per step: a sender must wait for its receiver to post, and
-    the data of a chunk can arrive only once the chunk is fully reduced, after our own last
-    send of it."""
+    instead, in place, each message with its own tag: a gloo sender waits until its receiver
+    has posted, and the data of a chunk can arrive only once the chunk is fully reduced, after
+    our own last send of it."""
     p, me = o.p, o.me
     right, left = (me + 1) % p, (me - 1) % p
     width = max(c.numel() for c in chunks)

@@ -230,8 +230,8 @@ def post_p2p(group, sends=(), recvs=(), tag: int = 0) -> list:
     two-rank communicator whose creation can wait on another's. A batch posts the exchange
     together on the group's communicator, as torch.distributed.pipelining does. gloo matches
     by tag and runs every message on its own: there the messages are posted one by one (receives
-    first), which skips the batch's bookkeeping (~0.1 ms an exchange, measured: as much as a
-    2-rank gloo all-reduce of a few KB takes in all)."""
+    first), which skips the batch's bookkeeping (~0.1 ms an exchange of a few KB, measured on 2
+    ranks, where the whole exchange took ~0.3 ms)."""
     recvs = [(t, _global(group, r)) for t, r in recvs if t.numel() > 0]
     sends = [(t, _global(group, r)) for t, r in sends if t.numel() > 0]
     if not recvs and not sends:

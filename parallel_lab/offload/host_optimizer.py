@@ -31,11 +31,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import _disable_current_modes
 
 from parallel_lab import costmodel
 from parallel_lab.runtime import device as mesh
-from parallel_lab.runtime.memory import MemoryTracker
+from parallel_lab.runtime.memory import MemoryTracker, exclusive
 from parallel_lab.runtime.trace import Recorder
 from parallel_lab.zero import (
     GradReducer,
@@ -67,7 +66,7 @@ class HostPool:
         self._depth += 1
         if self._depth == 1:
             self._stack = contextlib.ExitStack()
-            self._stack.enter_context(_disable_current_modes())  # the device tracker sees nothing here
+            self._stack.enter_context(exclusive(self.tracker))  # the device tracker sees nothing here
             if self.tracker is not None:
                 self.tracker.start()
                 self._stack.callback(self.tracker.stop)

@@ -3,14 +3,24 @@
 The idea (the "memory anatomy" of training; ZeRO, Rajbhandari et al.
 2020, §3): a rank's memory is parameters, gradients, optimizer states,
 activations, communication buffers and temporaries. `MemoryTracker` measures each
-of these live, on any device, CPU included:
+of these live, on any device, CPU included, by one of two mechanisms that see the
+same storages:
 
-- a `TorchDispatchMode` sees the output tensors of every aten op; each new
-  *untyped storage* is counted once (views share their storage, so they never
-  double count), keyed by the storage's C++ address;
-- a weakref callback on the storage's Python object fires when the storage is
-  freed (torch keeps one Python object alive per storage for as long as the storage
-  lives), and its bytes are subtracted, so peaks include temporaries.
+- "allocator" (CPU, the default there): torch's CPU allocator wrapped in C++
+  (`alloc_hook.py`); every allocation is counted as it is handed out and every free
+  as its deleter runs, on any thread, with no Python per op, so a tracked step of
+  a small model costs about what an untracked one does;
+- "dispatch" (any device; the fallback where no C++ compiler is found): a
+  `TorchDispatchMode` sees the output tensors of every aten op; each new *untyped
+  storage* is counted once (views share their storage, so they never double count),
+  keyed by the storage's C++ address; a weakref callback on the storage's Python
+  object fires when the storage is freed (torch keeps one Python object alive per
+  storage for as long as the storage lives), and its bytes are subtracted. It costs
+  a trip through Python per op.
+
+Either way peaks include temporaries. The allocator also sees buffers an op makes
+and frees inside itself, which the dispatch mode cannot, so its peaks can be a
+little higher; live bytes between ops agree.
 
 Labels. An allocation takes, in order: the innermost `tracker.category(name)`
 block; else "activation" inside autograd backward or when grad mode is on (the
@@ -31,6 +41,7 @@ every such storage is counted once, under one category.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import weakref
 from collections.abc import Iterator
@@ -39,8 +50,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from parallel_lab.runtime import alloc_hook
 from parallel_lab.runtime.alloc_mode import _AllocMode, storage_of  # noqa: E402,F401
 from parallel_lab.runtime.trace import CATEGORIES
+
+_MECHANISMS = ("auto", "allocator", "dispatch")
 
 
 class MemoryTracker:
@@ -50,10 +64,27 @@ class MemoryTracker:
     as Adam's CPU step counters), except what `register` is explicitly given.
     Use as `with MemoryTracker(device) as mem: ...` or `start()`/`stop()`;
     `parallel_lab.runtime.launch(..., track_memory=True)` attaches one per rank as `ctx.memory`.
+    `mechanism`: "auto" (the allocator hook on CPU where it builds, else the dispatch
+    mode), "allocator" or "dispatch" (see the module docstring).
     """
 
-    def __init__(self, device: torch.device | str | None = None):
+    def __init__(self, device: torch.device | str | None = None, mechanism: str = "auto"):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if mechanism not in _MECHANISMS:
+            raise ValueError(f"mechanism must be one of {_MECHANISMS}, got {mechanism!r}")
+        lib = None
+        if mechanism != "dispatch" and self.device.type == "cpu":
+            lib = alloc_hook.load()
+        if mechanism == "allocator" and lib is None:
+            raise RuntimeError(
+                "mechanism='allocator' needs a CPU tracker and a C++ compiler to build the "
+                f"allocator hook (device is {self.device}); use mechanism='dispatch'"
+            )
+        self.mechanism = "allocator" if lib is not None else "dispatch"
+        self._lib = lib
+        self._id = lib.pl_new_state() if lib is not None else 0
+        self._ext: dict[int, Any] = {}  # token -> weakref of a registered storage the hook cannot see die
+        self._started = False
         self._devices: dict[torch.device, bool] = {}  # storage device -> "is it ours", cached
         self._live: dict[int, list] = {}  # storage address -> [nbytes, category, weakref]
         self._by_cat: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
@@ -74,14 +105,21 @@ class MemoryTracker:
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> MemoryTracker:
         """Begin seeing allocations (on this thread and the autograd threads it starts)."""
-        if self._mode is not None:
+        if self._started:
             raise RuntimeError("MemoryTracker.start() called twice without stop()")
-        self._mode = _AllocMode(self)
-        self._mode.__enter__()
+        self._started = True
+        if self._lib is not None:
+            self._lib.pl_set_active(self._id, 1)
+        else:
+            self._mode = _AllocMode(self)
+            self._mode.__enter__()
         return self
 
     def stop(self) -> None:
         """Stop seeing new allocations and drop registration hooks; frees of known storages still count."""
+        self._started = False
+        if self._lib is not None:
+            self._lib.pl_set_active(self._id, 0)
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
@@ -93,9 +131,15 @@ class MemoryTracker:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    def __del__(self) -> None:
+        lib = getattr(self, "_lib", None)
+        if lib is not None:
+            lib.pl_set_active(self._id, 0)
+            lib.pl_free_state(self._id)
+
     @property
     def active(self) -> bool:
-        return self._mode is not None
+        return self._started
 
     # -- labels ----------------------------------------------------------------
     def _label_stack(self) -> list[str]:
@@ -110,10 +154,14 @@ class MemoryTracker:
         if name not in CATEGORIES:
             raise ValueError(f"category name must be one of {CATEGORIES}, got {name!r}")
         self._label_stack().append(name)
+        if self._lib is not None:
+            self._lib.pl_push_label(self._id, CATEGORIES.index(name))
         try:
             yield
         finally:
             self._label_stack().pop()
+            if self._lib is not None:
+                self._lib.pl_pop_label(self._id)
 
     # -- bookkeeping (called per new storage: keep it lean) ---------------------
     def _seen(self, t: torch.Tensor) -> None:
@@ -210,6 +258,9 @@ class MemoryTracker:
         st = storage_of(t)
         if st is None:
             return
+        if self._lib is not None:
+            self._relabel_hooked(st, cat, force)
+            return
         key = st._cdata
         entry = self._live.get(key)
         if entry is None or entry[2]() is not st:
@@ -223,6 +274,27 @@ class MemoryTracker:
                 entry[1] = cat
             if self._pending:
                 self._drain()
+
+    def _relabel_hooked(self, st: Any, cat: str, force: bool) -> None:
+        ptr = st.data_ptr()
+        if not ptr or not (force or self._mine(st.device)):
+            return
+        token = self._lib.pl_relabel(self._id, ptr, st.nbytes(), CATEGORIES.index(cat))
+        if token:  # a storage the hook did not see made: Python hears of its death
+            lib, sid, ext = self._lib, self._id, self._ext
+
+            def gone(ref: Any, ptr: int = ptr, token: int = token) -> None:
+                lib.pl_forget(sid, ptr, token)
+                ext.pop(token, None)
+
+            ext[token] = weakref.ref(st, gone)
+
+    def _read(self) -> tuple[dict[str, int], dict[str, int], list[int]]:
+        """(live by category, by category at the peak, [total, peak total, high water]) from the hook."""
+        n = alloc_hook.NCATS
+        live, peak, tot = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_int64 * 3)()
+        self._lib.pl_read(self._id, live, peak, tot)
+        return dict(zip(CATEGORIES, live)), dict(zip(CATEGORIES, peak)), list(tot)
 
     # -- registration ----------------------------------------------------------
     def register(self, tensor: torch.Tensor, category: str) -> torch.Tensor:
@@ -290,6 +362,8 @@ class MemoryTracker:
     def snapshot(self) -> dict[str, int]:
         """Live bytes now, one entry per category in `trace.CATEGORIES`."""
         self._rescan()
+        if self._lib is not None:
+            return self._read()[0]
         with self._lock:
             self._drain()
             return dict(self._by_cat)
@@ -300,6 +374,8 @@ class MemoryTracker:
 
     def peak(self) -> dict[str, int]:
         """Bytes per category at the moment the total was highest since start / `reset_peak()`."""
+        if self._lib is not None:
+            return self._read()[1]
         with self._lock:
             self._drain()
             return dict(self._peak)
@@ -307,12 +383,17 @@ class MemoryTracker:
     def reset_peak(self) -> None:
         """Start a new peak window from what is live now."""
         snap = self.snapshot()
+        if self._lib is not None:
+            self._lib.pl_reset_peak(self._id)
+            return
         with self._lock:
             self._peak, self._peak_total = snap, sum(snap.values())
 
     def take_high_water(self) -> int:
         """The highest total since the previous call (or start), then start a new window from
         now: what a sample taken now cannot see, the temporaries that came and went since."""
+        if self._lib is not None:
+            return self._lib.pl_take_high_water(self._id)
         with self._lock:
             self._drain()
             hw, self._high_water = max(self._high_water, self._total), self._total
@@ -320,6 +401,10 @@ class MemoryTracker:
 
     def largest(self, n: int = 10) -> list[tuple[str, int]]:
         """The `n` largest live storages as (category, bytes): where a peak comes from."""
+        if self._lib is not None:
+            sizes, cats = (ctypes.c_int64 * n)(), (ctypes.c_int * n)()
+            k = self._lib.pl_largest(self._id, n, sizes, cats)
+            return [(CATEGORIES[cats[i]], sizes[i]) for i in range(k)]
         with self._lock:
             self._drain()
             return sorted(((e[1], e[0]) for e in self._live.values()), key=lambda x: -x[1])[:n]
@@ -350,4 +435,23 @@ class MemoryTracker:
         return {"tracked": tracked, **stats, "untracked": stats["allocated"] - tracked}
 
 
-__all__ = ["MemoryTracker"]
+@contextlib.contextmanager
+def exclusive(tracker: MemoryTracker | None) -> Iterator[None]:
+    """On this thread, inside the block, only `tracker` sees allocations (None: no tracker does).
+
+    Every other tracker is blind here, whichever mechanism it uses: allocator hooks skip
+    it, dispatch modes are switched off. Frees of storages a blind tracker holds still
+    count. Offload's emulated host (`offload.HostPool`) is such a section.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    lib = alloc_hook.load()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_disable_current_modes())
+        if lib is not None:
+            lib.pl_push_only(tracker._id if tracker is not None and tracker._lib is not None else 0)
+            stack.callback(lib.pl_pop_only)
+        yield
+
+
+__all__ = ["MemoryTracker", "exclusive"]

@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PIP         := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup lab test test-fast notebooks exercises browser bench lint clean
+.PHONY: setup lab test test-fast notebooks exercises browser compiler bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ lab: setup
 browser:
 	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
+# A C++ compiler: the memory tracker builds its CPU allocator hook with it (runtime/alloc_hook.py).
+compiler:
+	@command -v c++ >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q g++; }
+
 lint: setup
 	$(VENV)/bin/ruff check parallel_lab tests tools benchmarks
 	$(VENV)/bin/ruff format --check parallel_lab tests tools benchmarks
@@ -34,7 +38,7 @@ lint: setup
 # solution notebook executed headless by nbval (in this environment's kernel).
 # PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS=--junitxml=runs/junit.xml for per-cell times.
 # A figure with a glyph its font lacks (drawn as an empty box) fails the run: PYTHONWARNINGS reaches the kernels.
-test: setup browser lint
+test: setup browser compiler lint
 	PYTHONWARNINGS="error:Glyph:UserWarning" $(PY) -m pytest tests notebooks solutions --nbval-lax --nbval-current-env \
 	  --nbval-cell-timeout=300 -q $(PYTEST_ARGS)
 

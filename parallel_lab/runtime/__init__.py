@@ -15,8 +15,9 @@ Read in this order:
   launch.py        launch(): ranks from a notebook cell; processes.py: draining, blame, reaping
   from_env.py      run_from_env / run_script: the torchrun / accelerate side
   result.py        RunResult and its Chrome/Perfetto trace file
-  alloc_mode.py    the TorchDispatchMode that sees every allocation
-  memory.py        MemoryTracker: live bytes by category
+  alloc_hook.py    torch's CPU allocator wrapped in C++ (alloc_hook.cpp): every CPU allocation, no Python per op
+  alloc_mode.py    the TorchDispatchMode that sees every op's new storages (any device; the fallback)
+  memory.py        MemoryTracker: live bytes by category, through one of the two
   memory_state.py  model-state bytes measured by one real step (also on `meta`)
   overlap.py       per-layer backward spans and the share of communication hidden under them
   cluster.py       a lesson script as a submitit job (Slurm, or local processes): lesson 16

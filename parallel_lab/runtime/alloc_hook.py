@@ -19,6 +19,7 @@ tracker active it only forwards.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -47,6 +49,23 @@ def _compiler() -> str | None:
         if cxx and shutil.which(cxx):
             return cxx
     return None
+
+
+@contextlib.contextmanager
+def _build_lock(so: Path) -> Iterator[None]:
+    """One builder at a time: eight ranks starting on a fresh machine compile once, not eight times."""
+    so.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock here: concurrent builds are wasteful but still safe (atomic rename)
+        yield
+        return
+    with open(so.with_suffix(".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _build(cxx: str, out: Path) -> None:
@@ -103,14 +122,18 @@ def load() -> ctypes.CDLL | None:
     """
     if os.environ.get("PARALLEL_LAB_TRACKER") == "dispatch" or sys.platform == "win32":
         return None
-    key = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode() + sys.version.encode()).hexdigest()[
+        :16
+    ]
     so = _cache_dir() / f"alloc_hook-{key}.so"
     try:
         if not so.exists():
             cxx = _compiler()
             if cxx is None:
                 return None
-            _build(cxx, so)
+            with _build_lock(so):
+                if not so.exists():  # another process may have built it while we waited
+                    _build(cxx, so)
         lib = _bind(ctypes.CDLL(str(so)))
     except (OSError, subprocess.SubprocessError):
         return None

@@ -87,7 +87,9 @@ def main() -> None:
     configs = [(64, 2, 32), (256, 2, 64), (512, 4, 64), (1024, 4, 128)]
     print("time with / without, lower is better")
     print(f"tracker: {MemoryTracker().mechanism} (the default on CPU); the dispatch-mode fallback beside it")
-    print(f"{'hidden':>6} {'depth':>5} {'batch':>5} {'plain ms':>9} {'empty mode':>10} {'dispatch':>9} {'tracked':>8}")
+    print(
+        f"{'hidden':>6} {'depth':>5} {'batch':>5} {'plain ms':>9} {'empty mode':>10} {'dispatch':>9} {'tracked':>8}"
+    )
     rows = []
     for hidden, depth, batch in configs:
         r = measure(hidden, depth, batch, rounds, n)

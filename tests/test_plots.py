@@ -206,6 +206,40 @@ def test_timeline_from_our_chrome_trace_dict_and_file(tmp_path):
     assert len(fig.axes[0].get_yticks()) == 6  # world_size comes from the file
 
 
+# chrome://tracing's reserved colours (its colour scheme), the only colours an event can ask for.
+_RESERVED_RGB = {
+    "thread_state_uninterruptible": (182, 125, 143), "thread_state_iowait": (255, 140, 0),
+    "thread_state_running": (126, 200, 148), "thread_state_runnable": (133, 160, 210),
+    "thread_state_unknown": (199, 155, 125), "detailed_memory_dump": (180, 0, 180),
+    "light_memory_dump": (0, 0, 180), "generic_work": (125, 125, 125), "good": (0, 125, 0),
+    "bad": (180, 125, 0), "terrible": (180, 0, 0), "grey": (221, 221, 221), "rail_animation": (244, 74, 63),
+    "rail_response": (67, 135, 253), "rail_load": (13, 168, 97), "yellow": (255, 255, 0),
+}  # fmt: skip
+
+
+def test_a_saved_trace_colours_each_kind_like_the_plots(tmp_path):
+    """Every kind gets its own reserved colour, of the same hue as the plots' colour for it."""
+    import colorsys
+    import json
+
+    from parallel_lab.plots.base import KIND_COLORS, KIND_TRACE_COLORS
+
+    assert set(KIND_TRACE_COLORS) == set(KINDS) and len(set(KIND_TRACE_COLORS.values())) == len(KINDS)
+    for kind, name in KIND_TRACE_COLORS.items():
+        ours = colorsys.rgb_to_hsv(*matplotlib.colors.to_rgb(KIND_COLORS[kind]))
+        theirs = colorsys.rgb_to_hsv(*(c / 255 for c in _RESERVED_RGB[name]))
+        if ours[1] < 0.1:  # a grey stays a grey
+            assert theirs[1] < 0.1, kind
+        else:
+            gap = abs(ours[0] - theirs[0]) * 360
+            assert min(gap, 360 - gap) <= 50, (kind, name, gap)
+    events = [{"rank": 0, "name": k, "kind": k, "start": i, "end": i + 0.5} for i, k in enumerate(KINDS)]
+    path = RunResult(values=[None], timeline=events).save_chrome_trace(str(tmp_path / "t.json"))
+    with open(path) as f:
+        xs = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"]: e["cname"] for e in xs} == KIND_TRACE_COLORS
+
+
 def test_timeline_from_a_foreign_chrome_trace():
     # torch.profiler style: OS pids, absolute microseconds, kinds only in the names.
     t0 = 1.7e15

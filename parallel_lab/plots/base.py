@@ -37,6 +37,19 @@ CATEGORY_COLORS: dict[str, str] = {
     "comm": "#DD8452",
     "other": "#8C8C8C",
 }
+# The same kinds in a saved trace (`RunResult.save_chrome_trace`). chrome://tracing colours an
+# event only by a reserved colour name ("cname"), so each kind takes the reserved colour nearest
+# its hue above (RGB in the comments, from the trace viewer's colour scheme). Perfetto colours
+# slices by name and ignores cname.
+KIND_TRACE_COLORS: dict[str, str] = {
+    "compute": "thread_state_runnable",  # (133, 160, 210) blue
+    "comm": "thread_state_iowait",  # (255, 140, 0) orange
+    "optimizer": "thread_state_running",  # (126, 200, 148) green
+    "idle": "grey",  # (221, 221, 221)
+    "bubble": "rail_animation",  # (244, 74, 63) red
+    "memcpy": "detailed_memory_dump",  # (180, 0, 180) purple
+    "other": "thread_state_unknown",  # (199, 155, 125) brown
+}
 # Communication split by collective, warm colours so "comm" still reads as one family.
 COMM_OP_COLORS: dict[str, str] = {
     "all_reduce": "#DD8452",

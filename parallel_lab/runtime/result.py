@@ -39,10 +39,12 @@ class RunResult:
         }
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"path must be the name of a file to write, got {path!r}")
+        from parallel_lab.plots.base import KIND_TRACE_COLORS  # the lessons' palette, in the viewer's names
+
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "w") as f:
-                json.dump(chrome_trace(self.timeline, self.memory, meta), f, default=str)
+                json.dump(chrome_trace(self.timeline, self.memory, meta, KIND_TRACE_COLORS), f, default=str)
         except OSError as e:
             raise OSError(f"cannot write the trace to {path}: {e.strerror or e}") from None
         return path

@@ -167,7 +167,9 @@ class Recorder:
             self.sink(what, payload)
 
 
-def chrome_trace(timeline: list[dict], memory: list[dict], meta: dict | None = None) -> dict:
+def chrome_trace(
+    timeline: list[dict], memory: list[dict], meta: dict | None = None, cnames: dict[str, str] | None = None
+) -> dict:
     """Build a Chrome/Perfetto trace: one process per rank, a compute and a comm track,
     memory as counter tracks. Our own data rides along under "parallel_lab" so
     `RunResult.load` can read the file back losslessly.
@@ -175,7 +177,8 @@ def chrome_trace(timeline: list[dict], memory: list[dict], meta: dict | None = N
     Invariant: on any one track, two events are disjoint or one nests inside the other
     (Perfetto draws nothing else right). Communication that overlaps itself without
     nesting (a send in flight while a receive starts, as on separate CUDA streams) goes
-    on extra tracks "comm 2", "comm 3", ...; the same for compute.
+    on extra tracks "comm 2", "comm 3", ...; the same for compute. `cnames` maps an event's
+    kind to a chrome://tracing reserved colour name (the plots' palette passes its own).
     """
     ev: list[dict] = []
     tids = _tracks(timeline)
@@ -198,6 +201,7 @@ def chrome_trace(timeline: list[dict], memory: list[dict], meta: dict | None = N
                 "ts": e["start"] * 1e6,
                 "dur": max(0.0, e["end"] - e["start"]) * 1e6,
                 "args": _jsonable(e.get("args", {})),
+                **({"cname": cnames[e["kind"]]} if cnames and e["kind"] in cnames else {}),
             }
         )
     for s in memory:

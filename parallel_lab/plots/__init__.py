@@ -14,7 +14,7 @@ call shows it twice, as with any pyplot figure. Timelines batch every
 cost a handful of artists.
 
 Read in this order:
-  base.py      the palette (`KIND_COLORS`, `CATEGORY_COLORS`), byte units, readers of run records
+  base.py      the palette (`KIND_COLORS`, `CATEGORY_COLORS`, `KIND_TRACE_COLORS` for saved traces), byte units, readers of run records
   timeline.py  plot_timeline: one row per rank, compute and comm lanes, bubbles visible
   memory.py    plot_memory: stacked live bytes by category, the prediction drawn over it
   bars.py      predicted-vs-measured bars and bytes per collective
@@ -30,6 +30,7 @@ from parallel_lab.plots.base import (
     CATEGORY_COLORS,
     COMM_OP_COLORS,
     KIND_COLORS,
+    KIND_TRACE_COLORS,
     PHASE_COLORS,
     byte_unit,
     chrome_events,
@@ -59,6 +60,7 @@ __all__ = [
     "interactive",
     "CATEGORY_COLORS",
     "KIND_COLORS",
+    "KIND_TRACE_COLORS",
     "LiveRunView",
     "byte_unit",
     "chrome_events",

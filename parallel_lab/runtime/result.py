@@ -39,7 +39,7 @@ class RunResult:
         }
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"path must be the name of a file to write, got {path!r}")
-        from parallel_lab.plots.base import KIND_TRACE_COLORS  # the lessons' palette, in the viewer's names
+        from parallel_lab.plots import KIND_TRACE_COLORS  # the lessons' palette, in the viewer's names
 
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

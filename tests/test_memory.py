@@ -287,7 +287,7 @@ def test_launch_track_memory_two_ranks():
         last = [s for s in res.memory if s["rank"] == rank and s["label"] == "step:end"][0]["bytes"]
         want = costmodel.model_state_bytes(n, optimizer="adam", precision="fp32")
         assert (last["param"], last["grad"], last["optim"], last["comm"]) == (
-            want["param"], want["grad"], want["optim"], 0)  # fmt: skip
+            want["param"], want["grad"], want["optim"], 0), f"rank {rank}: {last}"  # fmt: skip
     end = [s for s in res.memory if s["label"] == "end"]
     assert len(end) == 2 and all(s["bytes"]["param"] == 0 for s in end), "model freed when fn returned"
 

@@ -16,6 +16,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/GradMode.h>
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -154,6 +156,9 @@ int pl_install() {
   if (cur == nullptr || cur->raw_deleter() == nullptr) return 0;
   g_orig = cur;
   g_orig_delete = cur->raw_deleter();
+  // A process forked while another thread held the lock would inherit it held: hold it
+  // across fork() so both sides start with it free.
+  pthread_atfork([] { g_mu.lock(); }, [] { g_mu.unlock(); }, [] { g_mu.unlock(); });
   c10::SetCPUAllocator(&g_tracking, /*priority=*/UINT8_MAX);
   return c10::GetCPUAllocator() == &g_tracking ? 1 : 0;
 }

@@ -7,7 +7,7 @@ allocator, and c10 lets a program put its own in front (`c10::SetCPUAllocator`).
 `alloc_hook.cpp` does that: each allocation and each free updates a byte count per
 category in C++, with no Python per op.
 
-The C++ file is compiled once per torch version with the system's C++ compiler and
+The C++ file is compiled once per torch install with the system's C++ compiler and
 cached (`~/.cache/parallel_lab`, or `$PARALLEL_LAB_CACHE`); ctypes loads it. Where
 no compiler is found (or on a platform where the build fails) `load()` returns
 None and the tracker falls back to the dispatch mode, which sees the same storages.
@@ -122,9 +122,9 @@ def load() -> ctypes.CDLL | None:
     """
     if os.environ.get("PARALLEL_LAB_TRACKER") == "dispatch" or sys.platform == "win32":
         return None
-    key = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode() + sys.version.encode()).hexdigest()[
-        :16
-    ]
+    # One build per source, torch install and Python: two venvs never share a library linked to the other's torch.
+    ident = f"{torch.__version__}|{Path(torch.__file__).parent}|{sys.version}".encode()
+    key = hashlib.sha256(_SRC.read_bytes() + ident).hexdigest()[:16]
     so = _cache_dir() / f"alloc_hook-{key}.so"
     try:
         if not so.exists():

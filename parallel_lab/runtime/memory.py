@@ -18,9 +18,10 @@ same storages:
   storage for as long as the storage lives), and its bytes are subtracted. It costs
   a trip through Python per op.
 
-Either way peaks include temporaries. The allocator also sees buffers an op makes
-and frees inside itself, which the dispatch mode cannot, so its peaks can be a
-little higher; live bytes between ops agree.
+Either way peaks include temporaries. The allocator also sees what no op returns:
+buffers an op makes and frees inside itself (its peaks can be a little higher), the
+0-d tensor autograd keeps for a Python number a tensor was multiplied by, the RNG
+state a checkpoint saves. Everything else live between ops agrees.
 
 Labels. An allocation takes, in order: the innermost `tracker.category(name)`
 block; else "activation" inside autograd backward or when grad mode is on (the
@@ -31,8 +32,8 @@ parameters and "grad" for their `.grad` (as soon as each gradient is accumulated
 `register_optimizer` -> "optim" for per-parameter optimizer state after each step
 (0-d bookkeeping like Adam's step counter stays "other": the bytes-per-parameter
 accounting of `costmodel` leaves it out). Tensors that existed before `start()` are
-only seen through registration. Tensors made from Python data (`torch.tensor`) are
-seen through `aten.lift_fresh`.
+only seen through registration. The dispatch mode sees tensors made from Python
+data (`torch.tensor`) through `aten.lift_fresh`.
 
 Invariant: `snapshot()` sums to the bytes of live storages the tracker knows;
 every such storage is counted once, under one category.

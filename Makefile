@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PIP         := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup lab test test-fast notebooks exercises browser compiler bench lint clean
+.PHONY: setup lab test test-fast gpu-check notebooks exercises browser compiler bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,12 @@ test: setup browser compiler lint
 
 test-fast: setup
 	$(PY) -m pytest tests -q -m "not slow and not browser"
+
+# The one-GPU checks, a line each (a few minutes): run first whenever a GPU machine is at hand. Uses
+# .venv when there is one, else the machine's python3 (a GPU image that already has torch).
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) -m pytest -m gpu tests/test_gpu_one.py -v -rs -p no:cacheprovider --timeout 300 $(PYTEST_ARGS)
 
 # Re-execute lessons and solutions in place so they are stored with fresh outputs.
 notebooks: setup

@@ -28,9 +28,9 @@ def doctor(args: argparse.Namespace) -> int:
     from parallel_lab.runtime import device as mesh
 
     gpus = mesh.gpu_names()
-    backend = mesh.default_backend()  # what launch(backend="auto") picks for a world that fits the GPUs
+    backend, why = mesh.auto_backend(1)  # what launch(backend="auto") picks for a world that fits the GPUs
     backend += (
-        f" (one GPU per rank, up to {len(gpus)} ranks; gloo beyond)" if gpus else " (CPU; no GPU visible)"
+        f" (one GPU per rank, up to {len(gpus)} ranks; gloo beyond)" if backend == "nccl" else f" ({why})"
     )
     rows = [
         ("python", f"{platform.python_version()} ({sys.executable})"),
@@ -57,8 +57,8 @@ def doctor(args: argparse.Namespace) -> int:
     plan = lesson_backends(len(gpus))
     if plan:
         print("\nlessons (the most ranks a cell launches -> the backend launch(backend='auto') picks):")
-        for name, ranks, chosen in plan:
-            print(f"  {name:<26} {ranks:>2} ranks  {chosen}")
+        for name, sizes, chosen in plan:
+            print(f"  {name:<26} {'/'.join(map(str, sizes)):>8} ranks  {chosen}")
     missing = [k for k, v in rows if v.startswith("not installed")]
     if missing:
         print(f"\nmissing: {', '.join(missing)} -> pip install -e '.[lab]'")
@@ -77,26 +77,31 @@ def _nccl() -> str:
     return "available, version " + (".".join(map(str, v)) if isinstance(v, tuple) else str(v))
 
 
-_LAUNCH = re.compile(r"\blaunch(?:_learner)?\(\s*[\w.]+\s*,\s*(\d+)")
+_LAUNCH = re.compile(r"\blaunch(?:_learner)?\(\s*[\w.]+\s*,\s*(?:world_size\s*=\s*)?(\d+)")
 
 
-def lesson_backends(gpus: int, folder: Path | None = None) -> list[tuple[str, int, str]]:
-    """(lesson, most ranks one of its cells launches, backend) for each lesson notebook: NCCL when
-    every rank can have its own GPU, gloo otherwise (what `launch(backend="auto")` does)."""
+def lesson_backends(gpus: int, folder: Path | None = None) -> list[tuple[str, tuple[int, ...], str]]:
+    """(lesson, the rank counts its cells launch, the backend each gets) for each lesson notebook,
+    by the rule `launch(backend="auto")` follows (`device.backend_rule`): NCCL for a launch whose
+    every rank can have its own GPU, gloo for the others, all gloo under ACCELERATE_USE_CPU."""
+    from parallel_lab.runtime import device as mesh
+
     folder = folder or REPO / "notebooks"
     out = []
     for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
         cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
         code = "\n".join("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "code")
-        ranks = max((int(n) for n in _LAUNCH.findall(code)), default=0)
-        if not ranks:
+        sizes = tuple(sorted({int(n) for n in _LAUNCH.findall(code)}))
+        if not sizes:
             continue
-        chosen = (
-            "nccl (one GPU per rank)"
-            if 0 < ranks <= gpus
-            else "gloo" + (f" (needs {ranks} GPUs for nccl)" if gpus else " (CPU)")
-        )
-        out.append((path.stem, ranks, chosen))
+        picks = {n: mesh.backend_rule(n, gpus, True, mesh.wants_cpu())[0] for n in sizes}
+        if len(set(picks.values())) == 1:
+            b = next(iter(picks.values()))
+            chosen = "nccl (one GPU per rank)" if b == "nccl" else (
+                "gloo" + (f" (needs {max(sizes)} GPUs for nccl)" if gpus and not mesh.wants_cpu() else " (CPU)"))  # fmt: skip
+        else:
+            chosen = "; ".join(f"{n} rank{'s' * (n > 1)}: {b}" for n, b in picks.items())
+        out.append((path.stem, sizes, chosen))
     return out
 
 

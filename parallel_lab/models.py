@@ -193,7 +193,9 @@ def build_model(
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # the CPU generator alone: torch.manual_seed would reseed every GPU's too, which
+        # fork_rng(devices=[]) does not restore (later CUDA draws would then agree on all ranks)
+        torch.default_generator.manual_seed(seed)
         if isinstance(cfg, GPTConfig):
             model: nn.Module = TinyGPT(cfg)
         elif isinstance(cfg, MLPConfig):

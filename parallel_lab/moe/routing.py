@@ -250,7 +250,9 @@ class MoELayer(nn.Module):
 def build_moe(cfg: MoEConfig, seed: int = 0) -> MoELayer:
     """An `MoELayer` with weights fixed by `seed` (global RNG untouched): same on every rank."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # the CPU generator alone: torch.manual_seed would reseed every GPU's too, which
+        # fork_rng(devices=[]) does not restore (later CUDA draws would then agree on all ranks)
+        torch.default_generator.manual_seed(seed)
         return MoELayer(cfg)
 
 

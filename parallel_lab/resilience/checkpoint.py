@@ -234,7 +234,9 @@ def read_shard(d: str | os.PathLike, rank: int, manifest: dict) -> dict:
     data = p.read_bytes()
     if hashlib.sha256(data).hexdigest() != info["sha256"]:
         raise CheckpointError(p, "wrong checksum: the file changed after it was written")
-    return torch.load(io.BytesIO(data), weights_only=True)
+    # map_location: a shard saved by an NCCL rank holds tensors of that rank's GPU; read it on the
+    # CPU, so a resume on fewer GPUs or none works and the caller moves it to its own ctx.device
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
 
 def check_model(manifest: dict, signature: list, path: str | os.PathLike) -> None:

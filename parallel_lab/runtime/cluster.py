@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ScriptJob", "run_local_nodes", "submit_script"]
+__all__ = ["ScriptJob", "node_devices", "run_local_nodes", "submit_script"]
 
 
 class ScriptJob:
@@ -58,6 +58,22 @@ def submit_script(module: str, argv: list[str], folder: str, nodes: int = 1, tas
     return executor.submit(ScriptJob(module, argv))
 
 
+def node_devices(node: int, nodes: int, nproc_per_node: int) -> dict[str, str]:
+    """What agent `node` of a one-machine "cluster" may use: its own slice of the GPUs when every
+    rank of every agent can have one (each agent numbers its ranks' GPUs from 0, so two agents
+    shown the same GPUs would put two ranks on one, which NCCL refuses), else the CPU (gloo)."""
+    from parallel_lab.runtime import device as dev
+
+    gpus = dev.gpu_count()
+    if gpus == 0 or dev.wants_cpu():
+        return {}
+    if gpus < nodes * nproc_per_node:
+        return {"ACCELERATE_USE_CPU": "true"}
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in shown.split(",")] if shown else [str(i) for i in range(gpus)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[node * nproc_per_node : (node + 1) * nproc_per_node])}
+
+
 def run_local_nodes(module: str, argv: list[str], nodes: int = 2, nproc_per_node: int = 2,
                     timeout: float = 300.0) -> list[subprocess.CompletedProcess]:  # fmt: skip
     """Start `nodes` torchrun agents on this machine, as if each were a machine of its own: they meet
@@ -71,8 +87,8 @@ def run_local_nodes(module: str, argv: list[str], nodes: int = 2, nproc_per_node
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"local-{port}", "--local-addr", "127.0.0.1",
            "-m", module, *argv]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for _ in range(nodes)]  # fmt: skip
+    agents = [subprocess.Popen(cmd, env={**env, **node_devices(i, nodes, nproc_per_node)}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for i in range(nodes)]  # fmt: skip
     out = []
     try:
         for a in agents:

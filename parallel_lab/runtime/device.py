@@ -70,6 +70,12 @@ def local_cuda_index(local_rank: int | None) -> int:
     """The GPU a rank drives: its LOCAL_RANK, or 0 when the launcher shows each rank one GPU
     (Slurm's --gpus-per-task=1). A clear error instead of every rank piling onto GPU 0."""
     n = gpu_count()
+    local_world = local_world_size()
+    if local_world is not None and local_world > n:
+        raise RuntimeError(
+            f"LOCAL_WORLD_SIZE={local_world} ranks on this machine but {n} GPU(s) visible: NCCL needs one GPU "
+            "per rank (two ranks on one GPU fail in NCCL's init); run fewer ranks or backend='gloo'"
+        )
     if n == 1:
         return 0
     if local_rank is None:
@@ -82,12 +88,39 @@ def local_cuda_index(local_rank: int | None) -> int:
     return local_rank
 
 
+def local_world_size() -> int | None:
+    """Ranks on this machine as torchrun / accelerate launch say (LOCAL_WORLD_SIZE); None when no
+    launcher said (srun alone: each task may be shown a GPU of its own, so the count proves nothing)."""
+    v = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(v) if v and v.strip().isdigit() else None
+
+
+def auto_backend(local_ranks: int | None) -> tuple[str, str]:
+    """The one rule behind backend="auto" (launch and launcher-started ranks alike): (backend, why).
+
+    NCCL needs a GPU for each rank on this machine, and every tensor a rank communicates on it
+    (`ctx.device`). So: gloo when ACCELERATE_USE_CPU asks for the CPU, when no GPU or no NCCL is
+    here, or when this machine runs more ranks (`local_ranks`: launch's world size, a launcher's
+    LOCAL_WORLD_SIZE) than it has GPUs; NCCL otherwise, world size 1 included (one rank, one GPU)."""
+    return backend_rule(local_ranks, gpu_count(), torch.distributed.is_nccl_available(), wants_cpu())
+
+
+def backend_rule(local_ranks: int | None, gpus: int, nccl: bool, cpu_asked: bool) -> tuple[str, str]:
+    """`auto_backend` with the machine given (the doctor asks it about lessons and machines)."""
+    if cpu_asked:
+        return "gloo", "ACCELERATE_USE_CPU asks for the CPU"
+    if gpus == 0:
+        return "gloo", "no GPU visible"
+    if not nccl:
+        return "gloo", "this torch build has no NCCL"
+    if local_ranks is not None and local_ranks > gpus:
+        return "gloo", f"{local_ranks} ranks on this machine but {gpus} GPU(s): NCCL needs one GPU per rank"
+    return "nccl", "one GPU per rank"
+
+
 def default_backend(world_size: int | None = None) -> str:
-    """NCCL when there is one GPU per rank, else gloo."""
-    n = gpu_count()
-    if n > 0 and torch.distributed.is_nccl_available() and (world_size is None or n >= world_size):
-        return "nccl"
-    return "gloo"
+    """What backend="auto" picks for `world_size` ranks on this machine (see `auto_backend`)."""
+    return auto_backend(world_size)[0]
 
 
 def resolve_backend(backend: str, world_size: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -140,15 +141,18 @@ def save_trace(result: RunResult, trace_path: str) -> None:
 
 
 def env_backend(backend: str = "auto") -> str:
-    """The backend of a launcher-started rank. An explicit "gloo"/"nccl" wins; "auto" is gloo when
-    ACCELERATE_USE_CPU is set or this rank sees no GPU, else NCCL (each rank on its own GPU)."""
+    """The backend of a launcher-started rank. An explicit "gloo"/"nccl" wins; "auto" follows the
+    one rule `launch` follows too (`device.auto_backend`), with this machine's ranks read from
+    LOCAL_WORLD_SIZE: gloo when ACCELERATE_USE_CPU is set, no GPU is seen, or the machine runs more
+    ranks than it has GPUs (said once, by local rank 0), else NCCL with each rank on its own GPU."""
     if backend not in mesh.BACKENDS:
         raise ValueError(f"backend must be one of {mesh.BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    if mesh.wants_cpu() or mesh.gpu_count() == 0 or not dist.is_nccl_available():
-        return "gloo"
-    return "nccl"
+    chosen, why = mesh.auto_backend(mesh.local_world_size())
+    if chosen == "gloo" and mesh.gpu_count() > 0 and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"backend gloo on the CPU: {why}", file=sys.stderr, flush=True)
+    return chosen
 
 
 def script_world(nproc: int) -> int:

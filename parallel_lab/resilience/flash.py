@@ -1,10 +1,12 @@
 """Flash checkpoint: copy the training state into host shared memory (training waits only for
 that copy), and let another process write it to disk in the background.
 
-Gemini (Wang et al. 2023) and DLRover's flash checkpoint take a checkpoint in two tiers: a
-synchronous copy into host memory, which costs a memory copy, and an asynchronous write to
-storage that overlaps the next steps. A restart on a machine that survived reads the copy back
-from memory instead of from disk.
+DLRover's flash checkpoint takes a checkpoint in two tiers: a synchronous copy into host
+memory, which costs a memory copy, and an asynchronous write to storage that overlaps the next
+steps. A restart on a machine that survived reads the copy back from memory instead of from disk.
+A copy in a machine's own memory dies with that machine; Gemini (Wang et al. 2023, SOSP) places
+checkpoint replicas in the CPU memory of other machines, so that recovery from memory survives
+the loss of a whole machine. This module keeps only the local copy (and the disk one).
 
 Here the "agent" is the process that launches the ranks (`FlashAgent`, used around
 `run_with_restarts`): it owns one shared-memory segment per rank, so the copies outlive a rank

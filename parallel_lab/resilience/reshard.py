@@ -6,7 +6,9 @@ padding after Psi). So on N' ranks, new rank r' needs [r'*S', (r'+1)*S') and rea
 old shard k that overlaps it, just the overlapping range: no rank ever assembles the whole
 state. `torch.distributed.checkpoint` does the same on load: its metadata records which byte
 ranges of each tensor every file holds, and each loading rank reads the ranges its new sharding
-needs (Wang et al. 2023 describe the same for PyTorch FSDP's sharded state dicts).
+needs (the PyTorch docs for `torch.distributed.checkpoint`, the format that saves and loads the
+sharded state dicts of PyTorch FSDP: Zhao et al. 2023, *PyTorch FSDP: Experiences on Scaling
+Fully Sharded Data Parallel*).
 
 Invariant: concatenating the new shards, in rank order and cut to Psi, gives exactly the
 concatenation of the old ones cut to Psi.

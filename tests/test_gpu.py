@@ -3,8 +3,9 @@
 Each run is checked against single-process training by the script itself (the line it prints),
 is on NCCL, and its timeline's communication spans have a length (a span that ended when the
 op was queued would be ~0 s: comm spans are timed with CUDA events). The exercise checks run
-through the grade command on the solutions. Without two GPUs these tests are skipped: this
-machine cannot say anything about NCCL, and the CPU suite covers the algorithms.
+through the grade command on the solutions. Without two GPUs these tests are skipped; the checks
+one GPU can make (world size 1 on NCCL, device clocks, the allocator, pinned copies, fp8 GEMMs,
+more ranks than GPUs) are tests/test_gpu_one.py, run by `make gpu-check`.
 """
 
 from __future__ import annotations

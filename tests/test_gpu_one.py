@@ -116,7 +116,7 @@ def test_memory_tracker_against_the_caching_allocator():
     for s in samples:
         d = s["device"]
         assert d["tracked"] == sum(s["bytes"].values())
-        assert 0 < d["tracked"] <= d["allocated"] <= d["max_allocated"] <= d["reserved"], (s["label"], d)
+        assert d["tracked"] <= d["allocated"] <= d["max_allocated"] <= d["reserved"], (s["label"], d)
     for cat in ("param", "optim", "activation"):
         assert max(s["bytes"].get(cat, 0) for s in samples) > 0, f"no {cat} bytes seen on the GPU"
 

@@ -84,6 +84,7 @@ class WeightStreamer:
             self.host_copy = {id(p): self.host.register(mesh.host_buffer(p.detach().to("cpu", copy=True), self.device),
                                                         "param")
                               for ps in self.params for p in ps}  # fmt: skip
+        self.workspace = mesh.gemm_workspace_bytes(self.device)  # 0 on a CPU
         self.copy_stream = mesh.side_stream(self.device)  # None on a CPU: copies run inline
         self.ready: list = [None] * len(self.units)  # per unit: where its copy ends on the copy stream
         self._placeholder = torch.empty(0, dtype=self.params[0][0].dtype, device=self.device)
@@ -135,7 +136,9 @@ class WeightStreamer:
         """Bytes live on the device now: the tracker's count, or the CUDA allocator's; None if unknown."""
         if self.ctx.memory is not None:
             return self.ctx.memory.total()
-        return mesh.device_memory_allocated(self.device)
+        live = mesh.device_memory_allocated(self.device)
+        # the allocator also holds cuBLAS's workspace (32 MiB on an H100), which is no tensor's
+        return None if live is None else live - self.workspace
 
     def _fits(self, u: int, reserve: int = 0) -> bool:
         live = self._device_bytes()

@@ -42,8 +42,10 @@ def run_collectives(ctx, numel: int = 1000, dtype: str = "float32") -> list[dict
     bcast = x.clone()
     dist.broadcast(bcast, src=root)
     pieces = [x + 100 * j for j in range(p)]
-    swapped = [torch.empty_like(x) for _ in range(p)]
-    dist.all_to_all(swapped, pieces)
+    # all_to_all_single: every backend has it (gloo in some torch releases lacks the list form)
+    out = torch.empty(p * numel, dtype=dt, device=ctx.device)  # (p * numel,)
+    dist.all_to_all_single(out, torch.cat(pieces))
+    swapped = list(out.chunk(p))
     ring, tree = C.ring_bytes_per_rank, C.tree_bytes_per_rank
 
     # (name, call, expected result, the formula's bytes sent by this rank)

@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     for r, v in enumerate(vals):
         h = v["hook"]
         bytes_ok &= all(s == h["formula"] for s in h["sent"])
-        print(
-            f"{r:>4} {h['sent'][-1]:>18,} {h['formula']:>12,} {h['sent'][-1] / v['plain']['sent'][-1]:>17.3f}x"
-        )
+        dense = v["plain"]["sent"][-1]  # 0 at one rank: nothing to send, no ratio
+        ratio = f"{h['sent'][-1] / dense:>17.3f}x" if dense else f"{'-':>18}"
+        print(f"{r:>4} {h['sent'][-1]:>18,} {h['formula']:>12,} {ratio}")
     print(
         f"loss after {args.steps} steps: {hooked['losses'][-1]:.4f} with the hook, {plain['losses'][-1]:.4f} without"
     )

@@ -83,9 +83,13 @@ def serving_memory(model: ServingModel, batch: int, context: int, itemsize: int 
                    kv_heads: int | None = None) -> dict[str, float]:  # fmt: skip
     """Bytes a server holds for `batch` sequences of `context` tokens: weights, KV cache, activations.
 
-    Activations are the hidden states of one layer in flight, batch · context · hidden · itemsize: a
-    forward pass at inference keeps nothing for backward, so only the layer being computed is live
-    (its attention scores are not counted: a fused, FlashAttention-style kernel never stores them).
+    "activations" counts the residual stream of one layer only, batch · context · hidden · itemsize
+    (the layer's input, which its output replaces): a forward pass at inference keeps nothing for
+    backward, so only the layer being computed is live. Not counted are the larger intermediates
+    inside that layer. The MLP's are the biggest: a SwiGLU MLP holds its gate and up projections,
+    each batch · context · ffn wide, and in Llama 2 70B ffn = 28,672 = 3.5 · hidden, so at prefill
+    the two are 7 times the residual stream. The attention scores are not counted either: a fused,
+    FlashAttention-style kernel never stores them.
     """
     _int("batch", batch, 1), _int("context", context, 1)
     return {

@@ -34,8 +34,10 @@ from parallel_lab.compression import (
     qat_model,
     reconstruction_error,
     semi_structured_mask,
+    sparse_pays,
     sparsity,
     sparsity_schedule,
+    storage,
     train_lm,
     unpack,
 )
@@ -215,3 +217,31 @@ def test_every_compressed_model_reloads_with_the_same_outputs_and_weighs_less(co
         and sizes["ptq 4"] < sizes["ptq 8"]
     )
     assert sizes["pruned + 4 bit"] < sizes["pruned 80%"]
+
+
+def test_sparse_storage_only_below_the_density_where_value_plus_index_beats_the_value_alone(
+    corpus, monkeypatch
+):
+    # kept · (b_v + 2) + (rows + 1) · 4 < rows · cols · b_v: density 2/3 for fp32, 1/3 for int8, 1/5 for 4 bits
+    rows, cols = 64, 256
+    n, offsets = rows * cols, (rows + 1) * 4
+    for bits, b_v in ((32, 4), (8, 1), (4, 0.5)):
+        edge = (n * b_v - offsets) / (b_v + 2)  # the break-even count of kept weights
+        assert sparse_pays((rows, cols), math.ceil(edge) - 1, bits)
+        assert not sparse_pays((rows, cols), math.ceil(edge), bits)
+        assert abs(edge / n - b_v / (b_v + 2)) < 0.01
+    # half zeros: sparse for fp32 values, dense for int8 codes, whose sparse layout would weigh more
+    base = build_model(CFG, 0)
+    train_lm(base, corpus, 5, seq_len=16)
+    half = copy.deepcopy(base)
+    Pruner(half).prune(0.5)
+    half8 = qat_model(half, 8)
+    Pruner(half8).prune(0.5)
+    for model, want_sparse in ((half, True), (half8, False)):
+        pruned = {f"{name}.weight" for name, m in model.named_modules() if hasattr(m, "_compression_mask")}
+        packed = pack(model)
+        assert pruned and all(("crow" in packed[name]) == want_sparse for name in pruned)
+    dense8 = packed_bytes(half8)
+    monkeypatch.setattr(storage, "sparse_pays", lambda *args: True)
+    assert packed_bytes(half8) > dense8
+    assert packed_bytes(half) < packed_bytes(base)

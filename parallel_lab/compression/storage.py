@@ -2,6 +2,10 @@
 
 A pruned weight saved densely weighs what it did; the saving exists only if the zeros are not
 stored (compressed sparse rows: the kept values, their column indices, and where each row starts).
+Each kept weight then costs its value and its index, b_v + b_i bytes, against b_v for every weight
+stored densely: sparse pays only once the density (kept / all) is below b_v / (b_v + b_i), 2/3 for
+fp32 values and 2-byte indices, 1/3 for int8 codes, 1/5 for 4-bit codes (`sparse_pays`, which also
+counts the row offsets).
 A `bits`-bit weight is its integer codes (two 4-bit codes per byte) and one fp32 scale per row.
 `pack` writes both, `unpack` reads them back into a model of the same shape, and `packed_bytes`
 measures the file `torch.save` writes. Parameters used twice (a tied head, shared blocks) are
@@ -20,7 +24,10 @@ import torch.nn as nn
 
 from parallel_lab.compression.qat import QATLinear, channel_scale
 
-__all__ = ["deployed", "pack", "packed_bytes", "unpack"]
+__all__ = ["deployed", "pack", "packed_bytes", "sparse_pays", "unpack"]
+
+INDEX_BYTES = 2  # int16 column indices
+OFFSET_BYTES = 4  # int32 row offsets
 
 
 def _codes(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +49,15 @@ def _unpack4(b: torch.Tensor, n: int) -> torch.Tensor:
     return torch.stack([lo, hi], dim=1).flatten()[:n].to(torch.int8)
 
 
+def sparse_pays(shape: tuple[int, int], kept: int, value_bits: int) -> bool:
+    """True when `kept` of the weights of a (rows, cols) matrix stored as CSR (values, int16 column
+    indices, int32 row offsets) take fewer bytes than all of them stored densely at `value_bits` bits:
+    kept · (b_v + b_i) + (rows + 1) · 4 < rows · cols · b_v, about density < b_v / (b_v + b_i)."""
+    rows, cols = shape
+    b_v = value_bits / 8
+    return kept * (b_v + INDEX_BYTES) + (rows + 1) * OFFSET_BYTES < rows * cols * b_v
+
+
 def pack(model: nn.Module) -> dict:
     """{name: entry} for every distinct parameter; block Linears carry their sparsity and bit width."""
     out: dict = {}
@@ -61,7 +77,8 @@ def pack(model: nn.Module) -> dict:
                 codes, scale = _codes(w, bits)
                 entry["scale"], entry["bits"] = scale, bits
                 w = codes
-            if mask is not None and (~mask).float().mean() >= 0.5:  # sparse pays from half zeros on
+            value_bits = bits or 8 * w.element_size()
+            if mask is not None and sparse_pays(tuple(w.shape), int(mask.sum()), value_bits):
                 rows, cols = mask.nonzero(as_tuple=True)
                 entry["crow"] = torch.cat([torch.zeros(1, dtype=torch.int32),
                                            torch.bincount(rows, minlength=w.shape[0]).cumsum(0).to(torch.int32)])  # fmt: skip

@@ -77,6 +77,43 @@ def test_formula_bad_input():
     )
 
 
+def test_three_multinode_all_reduce_models():
+    """Single-NIC ring, multi-rail ring (one ring per NIC), hierarchical: bandwidth and latency terms."""
+    nv, ib, nbytes, g = 450e9, 50e9, 2.6e9, 8
+    for n in (2, 4, 32):
+        p = n * g
+        single = C.multinode_all_reduce_seconds(nbytes, n, g, nv, ib, hierarchical=False)
+        multi = C.multirail_all_reduce_seconds(nbytes, n, g, nv, ib)
+        hier = C.multinode_all_reduce_seconds(nbytes, n, g, nv, ib)
+        assert single == pytest.approx(2 * (p - 1) / p * nbytes / ib)
+        # all g NICs carry the ring traffic (slower than the NVLink share at these bandwidths)
+        assert multi == pytest.approx(2 * (p - 1) / p * nbytes / (g * ib))
+        assert hier == pytest.approx(2 * (g - 1) / g * nbytes / nv + 2 * (n - 1) / n * nbytes / g / ib)
+        assert multi < hier < single
+    # two nodes: the numbers lesson 16 prints
+    assert C.multirail_all_reduce_seconds(nbytes, 2, g, nv, ib) == pytest.approx(12.19e-3, rel=1e-3)
+    assert C.multinode_all_reduce_seconds(nbytes, 2, g, nv, ib) == pytest.approx(16.61e-3, rel=1e-3)
+    # when NVLink is the slower share, it sets the pace: (g-1)/g of each rank's bytes over NVLink
+    slow_nv = C.multirail_all_reduce_seconds(nbytes, 2, g, 60e9, ib)
+    assert slow_nv == pytest.approx(2 * 15 / 16 * nbytes * 7 / 8 / 60e9)
+    # one node: all three are the same ring over NVLink
+    one = C.alpha_beta_seconds("ring", nbytes, g, 1e-6, nv)
+    assert C.multirail_all_reduce_seconds(nbytes, 1, g, nv, ib, 1e-6) == one
+    assert C.multinode_all_reduce_seconds(nbytes, 1, g, nv, ib, 1e-6, hierarchical=False) == one
+    assert C.multinode_all_reduce_seconds(nbytes, 1, g, nv, ib, 1e-6) == one
+    # latency: 2(ng-1) steps for either ring, 2(g-1) + 2(n-1) for the hierarchy
+    a, n = 1e-5, 16
+    assert C.multirail_all_reduce_seconds(0, n, g, nv, ib, a) == pytest.approx(2 * (n * g - 1) * a)
+    assert C.multinode_all_reduce_seconds(0, n, g, nv, ib, a, hierarchical=False) == pytest.approx(
+        2 * (n * g - 1) * a
+    )
+    assert C.multinode_all_reduce_seconds(0, n, g, nv, ib, a) == pytest.approx(
+        (2 * (g - 1) + 2 * (n - 1)) * a
+    )
+    with pytest.raises(ValueError, match="must be >= 1"):
+        C.multirail_all_reduce_seconds(nbytes, 0, g, nv, ib)
+
+
 # ----------------------------------------------------------------------------- parity on ranks
 def _data(rank: int, numel: int, dtype, integer: bool) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + numel)

@@ -88,13 +88,16 @@ def alpha_beta_seconds(algorithm: str, nbytes: int, world_size: int, alpha: floa
 
 def multinode_all_reduce_seconds(nbytes: int, nodes: int, gpus_per_node: int, intra_bw: float, inter_bw: float,
                                  alpha: float = 0.0, hierarchical: bool = True) -> float:  # fmt: skip
-    """Alpha-beta time of an all-reduce over nodes x gpus_per_node ranks (Thakur et al. 2005; NCCL).
+    """Alpha-beta time of an all-reduce over nodes x gpus_per_node ranks (Thakur et al. 2005).
 
-    Flat ring over every rank: the ring crosses the network between nodes, so every step runs at
-    the slowest link, 2(p-1) steps of nbytes/p at `inter_bw`. Hierarchical (reduce-scatter inside
-    each node, all-reduce of each 1/g shard across the nodes, all-gather inside the node): the
-    network carries only the 1/g shards, 2(n-1)/n of nbytes/g per GPU at `inter_bw` per GPU.
-    `intra_bw` and `inter_bw` are bytes/s per GPU (NVLink; the node's network share of one GPU).
+    Flat ring over every rank, `hierarchical=False`: ONE ring, which leaves each node through one
+    NIC, so every step waits on that NIC: 2(p-1) steps of nbytes/p at `inter_bw` (the single-NIC
+    ring; NCCL runs several rings, one per NIC: `multirail_all_reduce_seconds`). Hierarchical
+    (reduce-scatter inside each node, all-reduce of each 1/g shard across the nodes, all-gather
+    inside the node): the network carries only the 1/g shards, 2(n-1)/n of nbytes/g per GPU at
+    `inter_bw` per GPU, after and before the NVLink phases; 2(g-1) + 2(n-1) latency steps instead
+    of the flat ring's 2(ng-1). `intra_bw` and `inter_bw` are bytes/s per GPU (NVLink; the node's
+    network share of one GPU, i.e. one NIC per GPU).
     """
     g, n = gpus_per_node, nodes
     if g < 1 or n < 1:
@@ -108,3 +111,29 @@ def multinode_all_reduce_seconds(nbytes: int, nodes: int, gpus_per_node: int, in
     )  # a reduce-scatter (and later an all-gather) in the node
     across = alpha_beta_seconds("ring", nbytes / g, n, alpha, inter_bw)
     return 2 * inside + across
+
+
+def multirail_all_reduce_seconds(nbytes: int, nodes: int, gpus_per_node: int, intra_bw: float, inter_bw: float,
+                                 alpha: float = 0.0) -> float:  # fmt: skip
+    """Alpha-beta time of a ring all-reduce split over g rings, one per NIC (multi-rail).
+
+    NCCL's topology search looks for as many concurrent flows as it can, each entering a node
+    through a NIC, running through every GPU of the node over NVLink, and leaving through a NIC
+    (NVIDIA/nccl issue #412; src/graph/search.cc): with g GPUs and g NICs per node, g rings
+    ("channels"), each carrying nbytes/g. A rank still sends 2(p-1)/p of nbytes in 2(p-1) steps,
+    but the node's traffic now leaves through all g NICs at once: each NIC carries 2(p-1)/p of
+    nbytes/g, and each GPU sends the other (g-1)/g of its share over NVLink, at the same time.
+    The slower of the two sets the pace:
+
+        2(p-1) alpha + 2(p-1)/p · nbytes · max(1 / (g · inter_bw), (g-1) / (g · intra_bw))
+
+    with p = n·g. On one node every ring stays on NVLink: a plain ring at `intra_bw`.
+    """
+    g, n = gpus_per_node, nodes
+    if g < 1 or n < 1:
+        raise ValueError(f"nodes and gpus_per_node must be >= 1, got {nodes} and {gpus_per_node}")
+    if n == 1:
+        return alpha_beta_seconds("ring", nbytes, g, alpha, intra_bw)
+    p = n * g
+    volume = 2 * (p - 1) / p * nbytes  # what every rank sends, summed over the g rings
+    return 2 * (p - 1) * alpha + volume * max(1 / (g * inter_bw), (g - 1) / (g * intra_bw))

@@ -356,3 +356,67 @@ def test_scaled_mm_meets_cudas_shape_rule_at_any_token_count(monkeypatch):
     assert len(shapes) == 3  # forward, dX, dW all went through the fp8 GEMM
     for a, b in zip(out["simulated"], out["scaled_mm"]):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- NCCL's blocking sends
+def _posting_log(ctx, fn, *args):
+    """Run `fn(ctx, *args)` recording every batch this rank posts, as ("send" | "recv", peer)."""
+    import parallel_lab.comms as C
+    import parallel_lab.comms.core as core
+    import parallel_lab.comms.p2p as P
+
+    log, real = [], core.post_p2p
+
+    def recording(group, sends=(), recvs=(), tag=0):
+        batch = [("recv", core._global(group, m[1])) for m in recvs if m[0].numel() > 0]
+        batch += [("send", core._global(group, m[1])) for m in sends if m[0].numel() > 0]
+        if batch:
+            log.append(batch)
+        return real(group, sends, recvs, tag)
+
+    for mod in (core, C, P):
+        mod.post_p2p = recording  # this rank's process only (a forked copy of the modules)
+    fn(ctx, *args)
+    return log
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2), ("gpipe", 1)])
+def test_pipeline_executor_posts_what_nccl_cannot_deadlock_on(schedule, chunks):
+    """What the executor really posts on each rank, run through NCCL's rules (a send completes
+    only once its receive is posted; each rank's batches in posting order): no deadlock. Posting
+    each message alone in list order (the executor before) deadlocks 1F1B and interleaved."""
+    from parallel_lab.comms import check_blocking_sends
+    from parallel_lab.pipeline import PipelineConfig, make_schedule, train_pipeline
+    from parallel_lab.pipeline import check_blocking_sends as check_lists
+
+    cfg = PipelineConfig(schedule=schedule, microbatches=4, chunks=chunks, layers=8, batch=8, steps=1)
+    logs = pl.launch(_posting_log, 2, train_pipeline, cfg).values
+    assert sum(map(len, logs)) > 0
+    check_blocking_sends(logs)
+    lists = make_schedule(schedule, 2, 4, chunks)
+    if schedule != "gpipe":
+        with pytest.raises(pl.pipeline.ScheduleError, match="deadlock under blocking sends"):
+            check_lists(lists, fused=False)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_pipeline_serving_posts_what_nccl_cannot_deadlock_on(microbatches):
+    from parallel_lab.comms import check_blocking_sends
+    from parallel_lab.inference import ServingGPT, pp_generate
+    from parallel_lab.models import GPTConfig, build_model
+
+    cfg = GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+    s = ServingGPT.from_gpt(build_model(cfg, 0).eval(), 2)
+    prompt = torch.randint(cfg.vocab, (4, 5), generator=torch.Generator().manual_seed(1))
+    for ranks in (2, 4):
+        check_blocking_sends(pl.launch(_posting_log, ranks, pp_generate, s, prompt, 6, microbatches).values)
+
+
+def test_the_blocking_send_model_finds_the_cross_posted_pair():
+    """The model itself: two ranks each sending before receiving deadlock; a batch of both does not."""
+    from parallel_lab.comms import check_blocking_sends
+
+    with pytest.raises(RuntimeError, match="deadlock under blocking sends"):
+        check_blocking_sends([[[("send", 1)], [("recv", 1)]], [[("send", 0)], [("recv", 0)]]])
+    check_blocking_sends([[[("send", 1), ("recv", 1)]], [[("send", 0), ("recv", 0)]]])
+    check_blocking_sends([[[("send", 1)], [("recv", 1)]], [[("recv", 0)], [("send", 0)]]])

@@ -225,22 +225,23 @@ def post_p2p(group, sends=(), recvs=(), tag: int = 0) -> list:
 
     The one place the lab posts point-to-point messages (a test checks that no other module
     calls isend/irecv/send/recv). `sends` and `recvs` are (tensor, group rank) pairs; empty
-    tensors are skipped. Why one batch: NCCL pairs messages by the order they are posted, not
+    tensors are skipped; a triple (tensor, group rank, tag) gives that message a tag of its own
+    (gloo matches by it; NCCL by posting order, ignoring it). Why one batch: NCCL pairs messages by the order they are posted, not
     by tag, runs each batch as one kernel on its stream, and a bare isend/irecv creates a lazy
     two-rank communicator whose creation can wait on another's. A batch posts the exchange
     together on the group's communicator, as torch.distributed.pipelining does. gloo matches
     by tag and runs every message on its own: there the messages are posted one by one (receives
     first), which skips the batch's bookkeeping (~0.1 ms an exchange of a few KB, measured on 2
     ranks, where the whole exchange took ~0.3 ms)."""
-    recvs = [(t, _global(group, r)) for t, r in recvs if t.numel() > 0]
-    sends = [(t, _global(group, r)) for t, r in sends if t.numel() > 0]
+    recvs = [(m[0], _global(group, m[1]), m[2] if len(m) > 2 else tag) for m in recvs if m[0].numel() > 0]
+    sends = [(m[0], _global(group, m[1]), m[2] if len(m) > 2 else tag) for m in sends if m[0].numel() > 0]
     if not recvs and not sends:
         return []
     if independent_messages(group):
-        works = [dist.irecv(t, r, group, tag) for t, r in recvs]
-        return works + [dist.isend(t, r, group, tag) for t, r in sends]
-    ops = [dist.P2POp(dist.irecv, t, r, group, tag) for t, r in recvs]
-    ops += [dist.P2POp(dist.isend, t, r, group, tag) for t, r in sends]
+        works = [dist.irecv(t, r, group, k) for t, r, k in recvs]
+        return works + [dist.isend(t, r, group, k) for t, r, k in sends]
+    ops = [dist.P2POp(dist.irecv, t, r, group, k) for t, r, k in recvs]
+    ops += [dist.P2POp(dist.isend, t, r, group, k) for t, r, k in sends]
     return dist.batch_isend_irecv(ops)
 
 

@@ -18,6 +18,7 @@ from parallel_lab.comms.core import (
     _group,
     _size_rank,
     check_device,
+    independent_messages,
     post_p2p,
 )
 
@@ -95,4 +96,79 @@ def isendrecv(ctx, send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: in
     return Handle(ctx, "isendrecv", works, args, nbytes(send_t), nbytes(recv_t), recv_t)
 
 
-__all__ = ["irecv", "isend", "isendrecv", "recv", "send", "sendrecv"]
+def post_batch(ctx, sends: list, recvs: list) -> tuple[list[Handle], list[Handle]]:
+    """Post messages that belong together as one batch (`post_p2p`): `sends` and `recvs` are
+    (tensor, global peer, tag). Returns a traced, byte-counted Handle per send and per receive.
+    NCCL runs the batch as one kernel (each Handle waits for all of it); gloo posts each message
+    on its own, matched by sender and tag (a Handle waits for its own)."""
+    for t, _, _ in [*sends, *recvs]:
+        check_device(ctx, t)
+    works = post_p2p(None, sends=sends, recvs=recvs)
+    own = independent_messages(None)  # gloo: works[k] is message k's, receives first
+
+    def handle(k: int, t: torch.Tensor, peer: int, send: bool) -> Handle:
+        nbytes = t.numel() * t.element_size()
+        name = "isend" if send else "irecv"
+        args = {"op": name, "numel": t.numel(), "dtype": str(t.dtype).replace("torch.", ""), "peers": [peer]}
+        return Handle(
+            ctx, name, [works[k]] if own else works, args, nbytes if send else 0, 0 if send else nbytes, t
+        )
+
+    rh = [handle(k, t, peer, False) for k, (t, peer, _) in enumerate(recvs)]
+    sh = [handle(len(recvs) + k, t, peer, True) for k, (t, peer, _) in enumerate(sends)]
+    return sh, rh
+
+
+def check_blocking_sends(batches: list[list[list[tuple[str, int]]]]) -> None:
+    """Raise RuntimeError if ranks posting these batches would deadlock under NCCL's rules.
+
+    `batches[r]`: rank r's batches in the order it posts them, each a list of ("send" | "recv",
+    peer rank). NCCL pairs the k-th send from a to b with the k-th receive at b from a (tags play
+    no part), runs a rank's batches in posting order on one stream, and a batch completes only
+    once every message in it has its other end posted (a send waits for its receive: NCCL
+    buffers too little to count on more). gloo forgives all of it; this model does not, so a
+    CPU test can hold the posting order of any exchange to NCCL's rules (record what a rank
+    posts, e.g. by wrapping `post_p2p`, and pass it here)."""
+    from collections import Counter
+
+    p = len(batches)
+    units = []
+    for r, mine in enumerate(batches):
+        seen: Counter = Counter()
+        out = []
+        for batch in mine:
+            items = []
+            for kind, q in batch:
+                if kind not in ("send", "recv") or not 0 <= q < p:
+                    raise ValueError(f"rank {r}: {(kind, q)!r} is not ('send' | 'recv', a rank in [0, {p}))")
+                link = (r, q) if kind == "send" else (q, r)
+                items.append((link, seen[kind, link], kind))
+                seen[kind, link] += 1
+            out.append(items)
+        units.append(out)
+    flip = {"send": "recv", "recv": "send"}
+    needs = [[[(link, k, flip[kind]) for link, k, kind in b] for b in mine] for mine in units]
+    ptr, posted = [0] * p, set()
+    for r in range(p):
+        if units[r]:
+            posted.update(units[r][0])  # every rank posts its first batch
+    while any(ptr[r] < len(units[r]) for r in range(p)):
+        moved = False
+        for r in range(p):  # a rank goes on while its batch has every other end posted
+            while ptr[r] < len(units[r]) and all(m in posted for m in needs[r][ptr[r]]):
+                ptr[r], moved = ptr[r] + 1, True
+                if ptr[r] < len(units[r]):
+                    posted.update(units[r][ptr[r]])
+        if not moved:
+            stuck = "; ".join(
+                f"rank {r} in batch {[f'{kind} #{k} {link[0]}->{link[1]}' for link, k, kind in units[r][ptr[r]]]}"
+                for r in range(p)
+                if ptr[r] < len(units[r])
+            )
+            raise RuntimeError(
+                "deadlock under blocking sends (NCCL: a send completes only once its receive is posted, "
+                f"each rank's messages in posting order): {stuck}"
+            )
+
+
+__all__ = ["check_blocking_sends", "post_batch", "irecv", "isend", "isendrecv", "recv", "send", "sendrecv"]

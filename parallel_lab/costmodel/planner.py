@@ -266,7 +266,9 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
     """Memory and time of one layout (see the module docstring for every term).
 
     `checkpointing`: False, True (full recomputation) or "selective" (the attention scores only,
-    Korthikanti et al. 2022). `chunks`: model chunks per pipeline stage (interleaved 1F1B, v)."""
+    Korthikanti et al. 2022). `chunks`: model chunks per pipeline stage (interleaved 1F1B, v).
+    `flash_attention`: attention as one fused kernel (Dao et al. 2022), timed so, and its T x T
+    scores never stored, in any recomputation mode."""
     _int("cp", cp, 1)
     _int("chunks", chunks, 1)
     rc = _recompute(checkpointing)
@@ -292,7 +294,9 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
     n_stage = stage_params(model, tp, pp)
     states = model_state_bytes(n_stage, r, zero, optimizer, precision)
     L_stage = -(-model.layers // pp)
-    per_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, rc == "selective") / cp
+    # flash attention never stores the T x T scores: the same bytes as selective recomputation's
+    no_scores = rc == "selective" or flash_attention
+    per_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, no_scores) / cp
     in_flight = min(pp, m)  # 1F1B on the first stage
     if rc == "full":  # keep each layer's 16-bit input; recompute one layer at a time in backward
         act = in_flight * L_stage * 2 * model.seq // cp * micro_batch * model.hidden + per_layer

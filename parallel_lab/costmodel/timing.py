@@ -107,13 +107,16 @@ def layer_matmul_seconds(gpu: GPU, x: LayerShape) -> dict[str, float]:
 
 def layer_backward_matmul_seconds(gpu: GPU, x: LayerShape) -> float:
     """Backward GEMM time of one layer: for each forward GEMM (M, N, K), the input gradient (M, K, N)
-    and the weight gradient (K, N, M)."""
+    and the weight gradient (K, N, M); with flash attention also the scores, recomputed."""
     g = _layer_gemms(x)
     per_head = x.micro_batch * x.heads / x.tp
     total = sum(gemm_seconds(gpu, m, k, n) + gemm_seconds(gpu, k, n, m) for m, n, k in g["linear"])
     for m, n, k in g["attention"]:
         fused = x.flash_attention
         total += gemm_seconds(gpu, m, k, n, per_head, fused) + gemm_seconds(gpu, k, n, m, per_head, fused)
+    if x.flash_attention:  # the fused backward rebuilds the scores S = QK^T it never stored: a 5th GEMM
+        m, n, k = g["attention"][0]  # (Dao 2023, FlashAttention-2, section 3.1.2)
+        total += gemm_seconds(gpu, m, n, k, per_head, True)
     return total
 
 

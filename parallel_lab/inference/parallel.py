@@ -112,7 +112,14 @@ def tp_serving_bytes(batch: int, prompt_len: int, new_tokens: int, d_model: int,
 @torch.no_grad()
 def pp_generate(ctx, model: ServingGPT, prompt: torch.Tensor, new_tokens: int, microbatches: int = 1) -> dict:
     """Greedy generation with the layers split over the ranks (one stage each) and the batch split
-    into `microbatches`. The last rank returns the tokens; every rank its cache bytes and bytes sent."""
+    into `microbatches`. The last rank returns the tokens; every rank its cache bytes and bytes sent.
+
+    Messages go out as the pipeline executor posts them: every forward of a micro-batch gets a time
+    on a clock all stages share (`pp_clock`), and a stage posts, per time, one batch of its sends made
+    then and its receives of what is sent to it then. Under NCCL a send completes only once its
+    receive is posted; with 2+ micro-batches, sends posted one by one would deadlock (the last
+    stage sending token k while the first sends micro-batch k+1's activations, each waiting for
+    the other's receive: `comms.check_blocking_sends`)."""
     _check_request(model, prompt, new_tokens)
     p, r = ctx.world_size, ctx.rank
     check_divisible("batch", prompt.shape[0], microbatches, f"microbatches ({microbatches})")
@@ -126,10 +133,36 @@ def pp_generate(ctx, model: ServingGPT, prompt: torch.Tensor, new_tokens: int, m
     reaper = SendReaper(ctx.device)  # each send is waited for on a thread: its span ends when delivered
     local_token: dict[int, torch.Tensor] = {}  # one rank holding every stage: the token stays here
     sent0 = ctx.recorder.comm_totals()["sent"]
-    bm, C = mbs[0].shape[0], model.cfg.d_model
+    bm, C, T0 = mbs[0].shape[0], model.cfg.d_model, prompt.shape[1]
+    start, plan = pp_clock(p, new_tokens, microbatches)
+    plan = list(plan[r])  # [(time, [(kind, step, mb, peer)])], this stage's batches in order
+    box: dict[tuple, torch.Tensor] = {}  # (step, mb) -> what this stage sends after that forward
+    posted: dict[tuple, comms.Handle] = {}  # (step, mb) -> the receive of that forward's input
+
+    def post_until(limit: float) -> None:
+        while plan and plan[0][0] <= limit:
+            sends, recvs, keys = [], [], []
+            for kind, step, m, peer in plan.pop(0)[1]:
+                if kind == "send":
+                    sends.append((box.pop((step, m)), peer, 0))
+                elif peer == p - 1 and first:  # the token chosen at step-1 comes back
+                    recvs.append((torch.empty(bm, 1, dtype=torch.long, device=ctx.device), peer, 0))
+                    keys.append((step, m))
+                else:
+                    t = T0 if step == 0 else 1
+                    recvs.append(
+                        (torch.empty(bm, t, C, dtype=stage.wte.weight.dtype, device=ctx.device), peer, 0)
+                    )
+                    keys.append((step, m))
+            sh, rh = comms.post_batch(ctx, sends, recvs)
+            for h in sh:
+                reaper.add(h)
+            posted.update(zip(keys, rh))
+
     for step in range(new_tokens):
-        t = prompt.shape[1] if step == 0 else 1
+        t = T0 if step == 0 else 1
         for m in range(microbatches):
+            post_until(start[r][step, m])
             with ctx.span(f"{'prefill' if step == 0 else 'decode'} mb{m}"):
                 if first:
                     if step == 0:
@@ -137,12 +170,10 @@ def pp_generate(ctx, model: ServingGPT, prompt: torch.Tensor, new_tokens: int, m
                     elif p == 1:
                         idx = local_token.pop(m)
                     else:
-                        idx = comms.recv(ctx, torch.empty(bm, 1, dtype=torch.long, device=ctx.device), p - 1)
+                        idx = posted.pop((step, m)).wait()  # (B/m, 1)
                     x = stage.embed(idx, caches[m])  # (B/m, t, C)
                 else:
-                    x = comms.recv(
-                        ctx, torch.empty(bm, t, C, dtype=stage.wte.weight.dtype, device=ctx.device), r - 1
-                    )
+                    x = posted.pop((step, m)).wait()  # (B/m, t, C)
                 for i, block in enumerate(blocks):
                     x = block(x, caches[m], i)  # (B/m, t, C)
                 caches[m].advance(t)
@@ -153,15 +184,47 @@ def pp_generate(ctx, model: ServingGPT, prompt: torch.Tensor, new_tokens: int, m
                         if p == 1:
                             local_token[m] = nxt
                         else:
-                            reaper.add(comms.isend(ctx, nxt, 0))  # back to the first stage
+                            box[step, m] = nxt  # back to the first stage
                 else:
-                    reaper.add(comms.isend(ctx, x.contiguous(), r + 1))
+                    box[step, m] = x.contiguous()
+    post_until(float("inf"))
     reaper.join()
     return {
         "tokens": torch.cat([torch.cat(o, dim=1) for o in out]).cpu() if last else None,
         "cache_bytes": sum(c.nbytes() for c in caches),
         "sent": ctx.recorder.comm_totals()["sent"] - sent0,
     }
+
+
+def pp_clock(stages: int, new_tokens: int, microbatches: int) -> tuple[list[dict], list[list]]:
+    """The clock `pp_generate` posts by: each stage runs forward (step, mb) in order, one unit of time
+    each, once its input is there (the first stage's input at step s is the token the last stage chose
+    at step s-1). Returns per stage {(step, mb): start} and its batches [(time, [(kind, step, mb, peer)])]:
+    a message is posted by both ends in the batch of the time it is sent, so no batch waits on one that
+    is posted later (the argument of `pipeline.simulator.p2p_batches`). Keys name the forward whose
+    input a receive brings, and the forward whose output a send carries."""
+    p = stages
+    start: list[dict] = [{} for _ in range(p)]
+    end: list[dict] = [{} for _ in range(p)]
+    free = [0] * p
+    for s in range(new_tokens):
+        for m in range(microbatches):
+            for r in range(p):
+                ready = 0 if r == 0 and s == 0 else (end[r - 1][s, m] if r > 0 else end[p - 1][s - 1, m])
+                start[r][s, m] = max(free[r], ready)
+                end[r][s, m] = free[r] = start[r][s, m] + 1
+    batches: list[dict] = [{} for _ in range(p)]
+    if p > 1:
+        for s in range(new_tokens):
+            for m in range(microbatches):
+                for r in range(p):
+                    if r < p - 1:  # activations to the next stage, needed by its forward (s, m)
+                        batches[r].setdefault(end[r][s, m], []).append(("send", s, m, r + 1))
+                        batches[r + 1].setdefault(end[r][s, m], []).append(("recv", s, m, r))
+                    elif s < new_tokens - 1:  # the token, needed by the first stage's forward (s+1, m)
+                        batches[r].setdefault(end[r][s, m], []).append(("send", s, m, 0))
+                        batches[0].setdefault(end[r][s, m], []).append(("recv", s + 1, m, r))
+    return start, [sorted(b.items()) for b in batches]
 
 
 def pp_serving_bytes(batch: int, prompt_len: int, new_tokens: int, d_model: int, stages: int,

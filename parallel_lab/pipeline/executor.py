@@ -4,7 +4,11 @@ The same `list[list[Step]]` the simulator draws runs here, step by step, on a
 `TinyMLP` cut into p * v virtual stages (rank r holds chunks c = 0..v-1, virtual
 stage c*p + r; the head goes with the last one). F runs a chunk on one
 micro-batch, B back-propagates the gradient received from the next stage,
-RECV_* wait for a tagged point-to-point message, SEND_* post one and move on. The
+RECV_* wait for a tagged point-to-point message, SEND_* hand one over and move on.
+Messages go out in batches planned on a clock all ranks share (`simulator.post_plan`):
+each batch holds the sends and receives of one time, posted with one
+`batch_isend_irecv`, so NCCL's blocking sends cannot deadlock (one message a batch
+in list order does, in 1F1B's steady state). The
 loss of a micro-batch is scaled by 1/m, so the accumulated gradients equal those
 of the whole batch (GPipe, Huang et al. 2019). With data parallelism the
 gradients of each stage are averaged over its DP group ONCE, after the last
@@ -31,25 +35,13 @@ import torch.nn.functional as F
 from parallel_lab import comms
 from parallel_lab.models import build_model, make_optimizer, synthetic_batch
 from parallel_lab.pipeline.schedules import make_schedule
-from parallel_lab.pipeline.simulator import validate_schedule
+from parallel_lab.pipeline.simulator import post_plan, validate_schedule
 from parallel_lab.pipeline.stages import PipelineConfig, reference_batches, split_layers, stage_modules
 from parallel_lab.runtime.device import bind_thread, is_cuda
 from parallel_lab.runtime.parallel_dims import ParallelDims
 
 __all__ = ["PipelineConfig", "PipelineRank", "SendReaper", "StageParts", "mlp_stage_parts", "reference_batches",
            "split_layers", "stage_modules", "train_pipeline"]  # fmt: skip
-
-
-def _tagged(ctx, t: torch.Tensor, peer: int, tag: int, send: bool) -> comms.Handle:
-    """A traced, byte-counted send or receive of one message (global rank `peer`), posted through
-    `comms.post_p2p`. The tag lets gloo match messages by identity; NCCL matches by order, so
-    on a GPU messages are posted in instruction-list order (see `_prefetch`)."""
-    nbytes = t.numel() * t.element_size()
-    pair = [(t, peer)]
-    works = comms.post_p2p(None, sends=pair if send else [], recvs=[] if send else pair, tag=tag)
-    name = "isend" if send else "irecv"
-    args = {"op": name, "numel": t.numel(), "dtype": str(t.dtype).replace("torch.", ""), "peers": [peer]}
-    return comms.Handle(ctx, name, works, args, nbytes if send else 0, 0 if send else nbytes, t)
 
 
 class SendReaper:
@@ -127,6 +119,8 @@ class PipelineRank:
         full = make_schedule(cfg.schedule, self.p, self.m, self.v)
         validate_schedule(full, self.m, self.v)  # a broken list would hang or crash mid-step: refuse it first
         self.schedule = full[self.r]
+        plans, starts = post_plan(full)  # which messages go out together, and when (see p2p_batches)
+        self.plan, self.starts = plans[self.r], starts[self.r]
         self.last_vs = self.p * self.v - 1
         self.mail: dict[int, torch.Tensor] = {}  # messages to ourselves (p == 1)
 
@@ -134,46 +128,41 @@ class PipelineRank:
     def _tag(self, direction: int, mb: int, vs_recv: int) -> int:
         return (direction * self.m + mb) * (self.p * self.v) + vs_recv
 
-    def _send(self, t: torch.Tensor, peer: int, tag: int, reaper: SendReaper) -> None:
-        dst = self.pp_ranks[peer]
-        if dst == self.ctx.rank:
-            self.mail[tag] = t
-        else:
-            reaper.add(_tagged(self.ctx, t.contiguous(), dst, tag, send=True))
+    def _message(self, s, tag_of) -> tuple[int, int]:
+        """(global peer, tag) of a SEND/RECV step."""
+        vs = s.chunk * self.p + self.r
+        tag = {"SEND_F": (0, vs + 1), "RECV_F": (0, vs), "SEND_B": (1, vs - 1), "RECV_B": (1, vs)}[s.kind]
+        return self.pp_ranks[s.peer], tag_of(tag[0], s.mb, tag[1])
 
-    def _post_recv(self, shape: tuple, peer: int, tag: int):
-        """Post a receive (a Handle), or take the message from our own mailbox (p == 1)."""
-        src = self.pp_ranks[peer]
-        if src == self.ctx.rank:
-            return self.mail.pop(tag).detach()
-        buf = torch.empty(shape, device=self.ctx.device)  # (b, hidden)
-        return _tagged(self.ctx, buf, src, tag, send=False)
+    def _post_until(self, limit: float, box: dict, posted: dict, shape: tuple, reaper: SendReaper) -> None:
+        """Post every planned batch of time <= limit, in plan order: its sends (taken from `box`,
+        where SEND steps leave their tensors) and its receives (their Handles into `posted`).
 
-    def _recv(self, posted, shape: tuple, peer: int, tag: int) -> torch.Tensor:
-        """The message of a RECV step: posted one compute step ahead when possible, else now."""
-        got = posted.pop(tag, None)
-        if got is None:
-            got = self._post_recv(shape, peer, tag)
-        return got if isinstance(got, torch.Tensor) else got.wait()
+        Both ends of every message post it in the batch of the same time, so a batch never waits
+        for a peer that waits for this rank's later batch: NCCL's blocking sends cannot deadlock
+        (`simulator.check_blocking_sends`)."""
+        while self.plan and self.plan[0][0] <= limit:
+            _, idx = self.plan.pop(0)
+            sends, recvs = [], []
+            for i in idx:
+                s = self.schedule[i]
+                peer, tag = self._message(s, self._tag)
+                if s.kind.startswith("SEND"):
+                    if i not in box:
+                        raise RuntimeError(
+                            f"pipeline plan: step {i} ({s!r}) is posted before its tensor exists"
+                        )
+                    sends.append((box.pop(i).contiguous(), peer, tag))
+                else:
+                    recvs.append((torch.empty(shape, device=self.ctx.device), peer, tag))  # (b, *act_tail)
+            sh, rh = comms.post_batch(self.ctx, sends, recvs)
+            for h in sh:
+                reaper.add(h)  # delivered on the reaper's thread; the tensor lives until then
+            posted.update(zip((i for i in idx if self.schedule[i].kind.startswith("RECV")), rh))
 
-    def _prefetch(self, i: int, posted: dict, shape: tuple) -> None:
-        """Post the next receive of the list before computing, so a message that arrives during the
-        compute finds its receive waiting.
-
-        CPU only: gloo matches a message to its receive by tag, so posting early is safe. NCCL
-        matches by order on one stream, and a receive moved ahead of this rank's next send can
-        wait for a peer that waits for that send; on a GPU every message is posted in list order."""
-        if is_cuda(self.ctx.device):
-            return
-        for s in self.schedule[i + 1 :]:
-            if s.kind in ("F", "B"):
-                return
-            if s.kind in ("RECV_F", "RECV_B"):
-                vs = s.chunk * self.p + self.r
-                tag = self._tag(0, s.mb, vs) if s.kind == "RECV_F" else self._tag(1, s.mb, vs)
-                if tag not in posted and self.pp_ranks[s.peer] != self.ctx.rank:
-                    posted[tag] = self._post_recv(shape, s.peer, tag)
-                return
+    def _next_start(self, i: int) -> float:
+        """When the first compute at or after step i starts on the plan's clock (end: infinity)."""
+        return next((self.starts[j] for j in range(i, len(self.schedule)) if j in self.starts), float("inf"))
 
     # -- compute -------------------------------------------------------------------
     def _compute(self, name: str, fn, target: float, **args):
@@ -202,19 +191,34 @@ class PipelineRank:
         """Run this rank's instruction list once over the m micro-batches, then the optimizer step."""
         ctx, p, r, cfg = self.ctx, self.p, self.r, self.cfg
         inputs, outputs, grads, logits, posted, reaper = {}, {}, {}, [], {}, SendReaper(ctx.device)
+        box: dict[int, torch.Tensor] = {}  # step index of a SEND -> the tensor its batch will carry
+        plan = list(self.plan)
         loss_sum, shape = 0.0, (xs[0].shape[0], *self.act_tail)
         t_f, t_b = cfg.compute_time / self.v, 2 * cfg.compute_time / self.v
         rec = ctx.recorder
         comms.dist_barrier(ctx)  # every rank starts the step together: bubbles are measured from here
         idle_from, idle_host = rec.mark(), rec.now()  # (the mark is a CUDA event on a GPU)
+
+        def send(i: int, t: torch.Tensor, peer: int, tag: int) -> None:
+            if self.pp_ranks[peer] == ctx.rank:
+                self.mail[tag] = t  # one pipeline rank: a message to itself
+            else:
+                box[i] = t
+
+        def recv(i: int, peer: int, tag: int) -> torch.Tensor:
+            if self.pp_ranks[peer] == ctx.rank:
+                return self.mail.pop(tag).detach()
+            self._post_until(self._next_start(i), box, posted, shape, reaper)
+            return posted.pop(i).wait()
+
         for i, s in enumerate(self.schedule):
             key, vs = (s.mb, s.chunk), s.chunk * p + r
             if s.kind in ("F", "B"):
-                self._prefetch(i, posted, shape)
+                self._post_until(self.starts[i], box, posted, shape, reaper)
                 if rec.now() > idle_host:
                     rec.add_event("bubble", "bubble", idle_from, rec.mark(), step=step)
             if s.kind == "RECV_F":
-                inputs[key] = self._recv(posted, shape, s.peer, self._tag(0, s.mb, vs)).requires_grad_()
+                inputs[key] = recv(i, s.peer, self._tag(0, s.mb, vs)).requires_grad_()
             elif s.kind == "F":
                 x = xs[s.mb] if vs == 0 else inputs[key]
 
@@ -232,9 +236,9 @@ class PipelineRank:
                 if vs == self.last_vs:
                     loss_sum += outputs[key].item()
             elif s.kind == "SEND_F":
-                self._send(outputs[key].detach(), s.peer, self._tag(0, s.mb, vs + 1), reaper)
+                send(i, outputs[key].detach(), s.peer, self._tag(0, s.mb, vs + 1))
             elif s.kind == "RECV_B":
-                grads[key] = self._recv(posted, shape, s.peer, self._tag(1, s.mb, vs))
+                grads[key] = recv(i, s.peer, self._tag(1, s.mb, vs))
             elif s.kind == "B":
                 out, g = outputs.pop(key), grads.pop(key, None)
                 self._compute(self._name("B", s.chunk), lambda out=out, g=g: out.backward(g), t_b,
@@ -242,9 +246,11 @@ class PipelineRank:
                 if cfg.dp_sync == "every_microbatch":  # the bug class: an all-reduce per micro-batch
                     self._sync_grads(list(self.mods[s.chunk].parameters()))
             elif s.kind == "SEND_B":
-                self._send(inputs.pop(key).grad, s.peer, self._tag(1, s.mb, vs - 1), reaper)
+                send(i, inputs.pop(key).grad, s.peer, self._tag(1, s.mb, vs - 1))
             if s.kind in ("F", "B"):
                 idle_from, idle_host = rec.mark(), rec.now()
+        self._post_until(float("inf"), box, posted, shape, reaper)  # the last sends
+        self.plan = plan  # the next step posts the same batches
         reaper.join()
         if p > 1:
             comms.dist_barrier(ctx, group=self.pp_group)  # the flush: the pipeline is empty

@@ -32,12 +32,15 @@ from parallel_lab.pipeline.simulator import (
     SimResult,
     Step,
     _pos,
+    check_blocking_sends,
+    p2p_batches,
     simulate,
     validate_schedule,
 )
 
 __all__ = [
-    "COMMS", "COMPUTE", "SCHEDULES", "ScheduleError", "SimResult", "Step", "add_comms", "make_schedule",
+    "COMMS", "COMPUTE", "SCHEDULES", "ScheduleError", "SimResult", "Step", "add_comms", "check_blocking_sends",
+    "make_schedule", "p2p_batches",
     "max_in_flight", "order_1f1b", "order_gpipe", "order_interleaved", "schedule_1f1b", "schedule_gpipe",
     "schedule_interleaved_1f1b", "schedule_naive", "simulate", "validate_schedule",
 ]  # fmt: skip

@@ -8,7 +8,11 @@ backend that matches point-to-point messages by order, like NCCL, pairs them as 
 tags do); `simulate` runs the lists as the executor would (sends never block,
 receives wait for their message) with unit F and B times, and gives the timeline
 and the bubble. It is also the deadlock check: a pass in which no rank can move is
-a deadlock.
+a deadlock. `check_blocking_sends` runs the lists again under NCCL's rules, where a send
+is no fire-and-forget: each rank's messages run in the order they are posted, and a
+send (a batch) completes only once its receive is posted. The executor posts each run of
+message in a batch with the others sent at the same time of a clock all ranks share
+(`p2p_batches`); one message a batch, in list order, deadlocks 1F1B's steady state.
 
 Invariant: for GPipe, 1F1B and interleaved 1F1B (m a multiple of p) with t_comm = 0
 the simulated bubble equals (p-1)/(v*m + p-1) exactly, for any t_f and t_b.
@@ -150,12 +154,97 @@ def validate_schedule(
         rank, i = sends.get(msg) or recvs[msg]
         raise ScheduleError(f"message {msg} (rank {rank}, step {i}) is {side}")
     simulate(schedule, chunks=v)  # raises on deadlock
+    check_blocking_sends(schedule)  # and under NCCL's rules, batched as the executor posts them
     for link in sent_on:  # backends without tags (NCCL) match a link's messages in posting order
         if sent_on[link] != recv_on.get(link):
             raise ScheduleError(
                 f"link {link[0]} -> {link[1]}: messages are received in another order than sent"
             )
     return {"peak_in_flight": peaks, "steps": sum(len(s) for s in schedule)}
+
+
+def p2p_batches(schedule: list[list[Step]], fused: bool = True) -> list[list[list[int]]]:
+    """Per rank, the SEND/RECV steps posted together, in posting order (lists of step indices).
+
+    `fused`: the executor's plan, a clock shared by all ranks. The lists run once in the
+    simulator (F = 1, B = 2, messages free) and every message gets the time it is sent; a rank
+    posts one batch per such time, holding its sends made then and its receives of the messages
+    its neighbours send then, as torch.distributed.pipelining posts, step by step of its global
+    order, the sends and receives that belong together. Both ends of a message post it in the
+    batch of the same time, and a batch of time t waits only for computes that end by t, which
+    wait only for batches of earlier times: no cycle, whatever the schedule. Not `fused`: each
+    message alone, in list order (what a naive executor posts; 1F1B deadlocks under NCCL).
+    Messages to the rank itself (one pipeline rank) need no posting and are left out."""
+    if not fused:
+        return [
+            [[i] for i, s in enumerate(steps) if s.kind in COMMS and s.peer != r]
+            for r, steps in enumerate(schedule)
+        ]
+    return [[b for _, b in plan] for plan in post_plan(schedule)[0]]
+
+
+def post_plan(schedule: list[list[Step]]) -> tuple[list[list[tuple[int, list[int]]]], list[dict[int, int]]]:
+    """The executor's plan: per rank, [(time, step indices posted together)] in posting order, and
+    {index of each F/B: its start} on the same clock (a batch of time t goes out before the first
+    compute that starts at t or later, and before a receive of it is needed)."""
+    p = len(schedule)
+    sent_at, starts = _clock(schedule)
+    plans = []
+    for r, steps in enumerate(schedule):
+        by_time: dict[int, list[int]] = {}
+        for i, s in enumerate(steps):
+            if s.kind in COMMS and s.peer != r:
+                by_time.setdefault(sent_at[_message(r, s, p)], []).append(i)
+        plans.append([(t, by_time[t]) for t in sorted(by_time)])
+    return plans, starts
+
+
+def _clock(schedule: list[list[Step]]) -> tuple[dict, list[dict[int, int]]]:
+    """Run the lists with integer times (F = 1, B = 2, messages free): when each message is sent,
+    when each compute starts. Raises ScheduleError on a deadlock, as `simulate` does."""
+    p = len(schedule)
+    ptr, t = [0] * p, [0] * p
+    sent: dict[tuple[str, int, int], int] = {}
+    starts: list[dict[int, int]] = [{} for _ in range(p)]
+    while any(ptr[r] < len(schedule[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            steps, i, now = schedule[r], ptr[r], t[r]
+            while i < len(steps):
+                s = steps[i]
+                if s.kind in COMPUTE:
+                    starts[r][i] = now
+                    now += 1 if s.kind == "F" else 2
+                elif s.kind[0] == "S":
+                    sent[_message(r, s, p)] = now
+                else:
+                    at = sent.get(_message(r, s, p))
+                    if at is None:
+                        break
+                    now = max(now, at)
+                i += 1
+            moved |= i != ptr[r]
+            ptr[r], t[r] = i, now
+        if not moved:
+            raise ScheduleError("deadlock: every unfinished rank waits for a message never sent")
+    return sent, starts
+
+
+def check_blocking_sends(schedule: list[list[Step]], fused: bool = True) -> None:
+    """Raise ScheduleError if the lists deadlock under NCCL's point-to-point rules, posted as the
+    executor posts them (`p2p_batches`; `fused=False`: one message at a time, in list order).
+    The rules and the model are `comms.p2p.check_blocking_sends`'s: each rank's batches run in
+    posting order, and a batch completes once every message in it has its other end posted."""
+    from parallel_lab.comms.p2p import check_blocking_sends as check
+
+    logs = [
+        [[("send" if steps[j].kind[0] == "S" else "recv", steps[j].peer) for j in b] for b in batches]
+        for steps, batches in zip(schedule, p2p_batches(schedule, fused))
+    ]
+    try:
+        check(logs)
+    except RuntimeError as e:
+        raise ScheduleError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- simulator

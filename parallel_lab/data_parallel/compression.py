@@ -208,7 +208,11 @@ class TopK:
         every_idx = comms.ring_all_gather(ctx, idx.to(torch.int32), group)  # (p, k)
         every_val = comms.ring_all_gather(ctx, vals, group)  # (p, k)
         bucket.buffer.zero_()
-        bucket.buffer.index_add_(0, every_idx.reshape(-1).long(), every_val.reshape(-1))
+        # rank by rank: one rank's indices are distinct, so each index_add_ has no collisions; one
+        # index_add_ of all ranks' would sum overlapping indices with atomics on a GPU, in an order
+        # that differs run to run and rank to rank, and the replicas would drift in the last bits
+        for r in range(p):
+            bucket.buffer.index_add_(0, every_idx[r].long(), every_val[r])
         bucket.buffer.div_(p)
 
     def bytes_per_rank(self, bucket: Any, p: int, rank: int = 0) -> int:

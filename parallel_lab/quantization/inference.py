@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from parallel_lab.runtime import device as mesh
+
 #: bytes per parameter of each storage format (int4: two weights per byte).
 DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 
@@ -102,9 +104,18 @@ def plan_layer_offload(
     return OffloadPlan(layer, layers * layer, budget, work, buffers, resident, streamed, fits)
 
 
-def _to_device(layer: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """A fresh device copy of a layer's weights (always a copy, also when host is device)."""
-    return {k: v.to(device, copy=True) for k, v in layer.state_dict().items()}
+def _to_device(
+    host: dict[str, torch.Tensor], device: torch.device, stream
+) -> tuple[dict[str, torch.Tensor], object]:
+    """A fresh device copy of a layer's weights (always a copy, also when host is device), made on
+    `stream` (a GPU's copy stream; None: inline), and the point where the copies end. From pinned
+    host memory a copy on its own stream runs while the compute stream computes; from pageable
+    memory it could not."""
+    allocated = mesh.stream_point(device)  # the copies' memory may still be read by earlier kernels
+    with mesh.on_stream(stream):
+        mesh.wait_for(allocated)
+        out = {k: v.to(device, copy=True, non_blocking=True) for k, v in host.items()}
+        return out, mesh.stream_point(device)
 
 
 def _category(ctx, name: str):
@@ -129,12 +140,19 @@ def run_layer_by_layer(
     from torch.func import functional_call
 
     loaded: dict[int, dict[str, torch.Tensor]] = {}
+    ready: dict[int, object] = {}  # where layer i's copies end on the copy stream (GPU)
+    copy_stream = mesh.side_stream(ctx.device)  # None on a CPU: copies run inline
+    # page-locked once on a GPU (as offload's weight streaming does), so the copies can overlap compute
+    host = [
+        {k: mesh.host_buffer(v.detach(), ctx.device) for k, v in layer.state_dict().items()}
+        for layer in host_layers
+    ]
 
     def load(i: int) -> None:
         if i < len(host_layers) and i not in loaded:
-            nbytes = sum(t.nbytes for t in host_layers[i].state_dict().values())
+            nbytes = sum(t.nbytes for t in host[i].values())
             with ctx.span(f"load {i}", "memcpy", bytes=nbytes), _category(ctx, "param"):
-                loaded[i] = _to_device(host_layers[i], ctx.device)
+                loaded[i], ready[i] = _to_device(host[i], ctx.device, copy_stream)
 
     for i in range(resident):
         load(i)
@@ -143,6 +161,9 @@ def run_layer_by_layer(
         for i, layer in enumerate(host_layers):
             for j in range(i, min(i + buffers, len(host_layers))):  # fill the staging slots
                 load(j)
+            mesh.wait_for(ready.pop(i))  # GPU: this layer's compute starts after its copy lands
+            for t in loaded[i].values():
+                mesh.used_here(t)  # made on the copy stream, freed after this stream is done with it
             with ctx.span(f"layer {i}", "compute"), _category(ctx, "activation"):
                 h = functional_call(layer, loaded[i], (h,))  # (B, T, C)
             if i >= resident:

@@ -43,6 +43,8 @@ def all_gather_pieces(
     ctx, mine: torch.Tensor, pieces: list[tuple[int, int]], out: torch.Tensor, base: int, group=None, tag: int = 0
 ) -> comms.Handle:  # fmt: skip
     """Start an all-gather of pieces into `out` (covering flat range [base, base + out.numel()))."""
+    comms.check_device(ctx, mine, "mine")
+    comms.check_device(ctx, out, "out")
     p, me = dist.get_world_size(group), dist.get_rank(group)
     lo, hi = pieces[me]
     out[lo - base : hi - base].copy_(mine)  # our own piece does not travel
@@ -79,6 +81,8 @@ class _Traced:
 
     def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         """Send to group rank `dst` while receiving from `src`; empty tensors are skipped."""
+        comms.check_device(self.ctx, send, "send")
+        comms.check_device(self.ctx, recv, "recv")
         self.recv += recv.numel() * recv.element_size()
         self.sent += send.numel() * send.element_size()
         for w in comms.post_p2p(self.group, [(send, dst)], [(recv, src)]):

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+import nbformat
 import pytest
 import torch
 
@@ -420,3 +421,83 @@ def test_the_blocking_send_model_finds_the_cross_posted_pair():
         check_blocking_sends([[[("send", 1)], [("recv", 1)]], [[("send", 0)], [("recv", 0)]]])
     check_blocking_sends([[[("send", 1), ("recv", 1)]], [[("send", 0), ("recv", 0)]]])
     check_blocking_sends([[[("send", 1)], [("recv", 1)]], [[("recv", 0)], [("send", 0)]]])
+
+
+# ----------------------------------------------------------------------------- lesson cells on ctx.device
+_FACTORIES = {"randn", "rand", "randint", "zeros", "ones", "empty", "full", "arange", "tensor", "linspace", "eye",
+              "randperm"}  # fmt: skip
+_LAUNCHERS = {"launch", "launch_learner", "run_script"}
+
+
+def _launched_functions(tree: ast.AST) -> list[ast.FunctionDef]:
+    """The functions a notebook hands to launch() (its first argument, by name)."""
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Name):
+            f = n.func
+            if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) in _LAUNCHERS:
+                names.add(n.args[0].id)
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in names]
+
+
+def _moved(node: ast.AST, parents: dict) -> bool:
+    """True when a call's result goes through `.to(...)` before anything else uses it."""
+    p = parents.get(node)
+    while isinstance(p, (ast.Attribute, ast.Call)):
+        if isinstance(p, ast.Attribute) and p.attr == "to":
+            return True
+        p = parents.get(p)
+    return False
+
+
+def _off_device(fn: ast.FunctionDef) -> list[tuple[int, str]]:
+    """Tensors and models a rank function makes without ctx.device (NCCL would get CPU tensors)."""
+    parents = {c: p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
+    found = list(_hard_coded(fn))
+    for n in ast.walk(fn):
+        if not isinstance(n, ast.Call) or any(k.arg == "device" for k in n.keywords) or _moved(n, parents):
+            continue
+        f = n.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "torch":
+            if f.attr in _FACTORIES:
+                found.append((n.lineno, f"torch.{f.attr}(...) without device="))
+        elif (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) in (
+            "build_model",
+            "build_moe",
+        ):
+            found.append((n.lineno, "a model built without device="))
+    return found
+
+
+def _notebook_code(path: Path) -> str:
+    cells = nbformat.read(path, as_version=4).cells
+    code = "\n".join(c.source for c in cells if c.cell_type == "code")
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in code.split("\n"))
+
+
+LESSON_BOOKS = sorted((PKG.parent / "notebooks").glob("*.ipynb")) + sorted(
+    (PKG.parent / "solutions").glob("*.ipynb")
+)
+
+
+@pytest.mark.parametrize("path", LESSON_BOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_lesson_rank_functions_work_on_ctx_device(path):
+    """Every function a lesson or solution launches makes its tensors and models on ctx.device (or
+    moves them there at once): on a GPU machine the ranks run NCCL, which takes no CPU tensor."""
+    code = _notebook_code(path)
+    lines = code.split("\n")
+    bad = [f"{fn.name}: {what}: {lines[ln - 1].strip()}" for fn in _launched_functions(ast.parse(code))
+           for ln, what in _off_device(fn)]  # fmt: skip
+    assert not bad, "made off ctx.device:\n" + "\n".join(bad)
+
+
+def test_the_lesson_scan_finds_what_it_is_for():
+    sample = ast.parse(
+        "def f(ctx):\n    a = torch.randn(3)\n    b = torch.randn(3).to(ctx.device)\n"
+        "    m = build_model(cfg, 0)\n    n = build_model(cfg, 0, device=ctx.device)\n"
+        "    mesh = init_device_mesh('cpu', (2,))\n    return a\n\npl.launch(f, 2)\n"
+    )
+    (fn,) = _launched_functions(sample)
+    assert sorted(_off_device(fn)) == [
+        (2, "torch.randn(...) without device="), (4, "a model built without device="), (6, '"cpu" passed as a device')
+    ]  # fmt: skip

@@ -49,7 +49,8 @@ test-fast: setup
 # .venv when there is one, else the machine's python3 (a GPU image that already has torch).
 GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
-	$(GPU_PY) -m pytest -m gpu tests/test_gpu_one.py -v -rs -p no:cacheprovider --timeout 300 $(PYTEST_ARGS)
+	$(GPU_PY) -m pytest -m gpu tests/test_gpu_one.py -v -rs -p no:cacheprovider \
+	  $(shell $(GPU_PY) -c "import pytest_timeout" 2>/dev/null && echo --timeout 300) $(PYTEST_ARGS)
 
 # Re-execute lessons and solutions in place so they are stored with fresh outputs.
 notebooks: setup

@@ -193,8 +193,8 @@ def build_model(
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     with torch.random.fork_rng(devices=[]):
-        # the CPU generator alone: torch.manual_seed would reseed every GPU's too, which
-        # fork_rng(devices=[]) does not restore (later CUDA draws would then agree on all ranks)
+        # the CPU generator alone: torch.manual_seed would also reset every GPU's generator to
+        # this seed, which fork_rng(devices=[]) does not restore (a rank's CUDA draws would restart)
         torch.default_generator.manual_seed(seed)
         if isinstance(cfg, GPTConfig):
             model: nn.Module = TinyGPT(cfg)

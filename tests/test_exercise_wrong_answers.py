@@ -11,6 +11,7 @@ solution's cell with one edit. The check cell then runs exactly as in the notebo
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from solution_code import _cells, check_cells, solution_namespace
@@ -230,8 +231,10 @@ def quantize(x):
     ("13", "check_resumable_sampler", "stops at the end of an epoch", edit("13", "Sampler", "        while len(out) < k:", "        for _ in range(1):"), "returned"),
     ("13", "check_resumable_sampler", "reshuffles on resume", edit("13", "Sampler", "g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)", "g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, (1,))))"), "expected"),
     ("13", "check_resumable_sampler", "wraps the lab's", "from parallel_lab.resilience.sampler import ResumableSampler\nclass Sampler(ResumableSampler):\n    pass\n", "switched off"),
-    ("13", "check_best_interval", "checkpoints too often", "def best_interval(checkpoint_cost, mtbf):\n    return (checkpoint_cost * mtbf) ** 0.5 / 4\n", "a shorter interval pays more checkpoints"),
-    ("13", "check_best_interval", "once per failure", "def best_interval(checkpoint_cost, mtbf):\n    return mtbf\n", "the best interval found reaches"),
+    ("13", "check_best_interval", "checkpoints too often", "def best_interval(checkpoint_cost, mtbf):\n    return (checkpoint_cost * mtbf) ** 0.5 / 4\n", "it pays for more checkpoints"),
+    ("13", "check_best_interval", "once per failure", "def best_interval(checkpoint_cost, mtbf):\n    return mtbf\n", "each failure loses more work"),
+    ("13", "check_best_interval", "off by sqrt(2)", "def best_interval(checkpoint_cost, mtbf):\n    return (checkpoint_cost * mtbf) ** 0.5\n", "shorter than the one that wastes least"),
+    ("13", "check_best_interval", "a tuned constant", "def best_interval(checkpoint_cost, mtbf):\n    return 1300.0\n", "must come within 6%"),
     ("13", "check_best_interval", "wraps the lab's", "from parallel_lab.resilience import young_daly_interval\ndef best_interval(checkpoint_cost, mtbf):\n    return young_daly_interval(checkpoint_cost, mtbf)\n", "switched off"),
     # ---- 14 inference
     ("14", "check_cached_attention", "mask not shifted by the cached positions", edit("14", "cached_attention", "torch.arange(start, start + t)[:, None]", "torch.arange(t)[:, None]"), "(position 5)"),
@@ -276,6 +279,8 @@ def quantize(x):
     ("17", "check_zigzag_positions", "partner N + r", edit("17", "zigzag_positions", "early, late = rank, chunks - 1 - rank", "early, late = rank, world_size + rank"), "the partner that balances"),
     ("17", "check_zigzag_positions", "contiguous", edit("17", "zigzag_positions", "early, late = rank, chunks - 1 - rank", "early, late = 2 * rank, 2 * rank + 1"), "expected chunks"),
     ("17", "check_zigzag_positions", "accepts a length that cannot split", edit("17", "zigzag_positions", "if seq_len % chunks:", "if False:"), "instead of raising ValueError"),
+    ("17", "check_merge_partials", "torch's private merger", "from torch.distributed.tensor.experimental._context_parallel._attention import _SDPAMerger\ndef merge(a, la, b, lb):\n    m = _SDPAMerger(True, seq_dim=2)\n    m.step(a, la, False)\n    m.step(b, lb, False)\n    return m.results()\n", "switched off"),
+    ("17", "check_zigzag_positions", "torch's private load balancer", "from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer\ndef zigzag_positions(rank, world_size, seq_len):\n    idx = _HeadTailLoadBalancer(seq_len, world_size, 'cpu')._generate_indices()\n    return idx[0].reshape(world_size, -1)[rank].tolist()\n", "switched off"),
     ("17", "check_zigzag_positions", "wraps the lab's", "from parallel_lab.context_parallel import positions\ndef zigzag_positions(rank, world_size, seq_len):\n    return positions(rank, world_size, seq_len, zigzag=True)\n", "switched off"),
     # ---- 18 fewer bytes
     ("18", "check_round_e4m3", "ties away from zero", edit("18", "round_e4m3", "torch.round(x / spacing)", "torch.sign(x) * torch.floor(x.abs() / spacing + 0.5)"), "ties to even"),
@@ -376,3 +381,51 @@ def test_no_lesson_prints_the_code_an_exercise_asks_for():
                     if a.split(".")[-1] in answers
                 ]
     assert not shown, shown
+
+
+# ----------------------------------------------------------------------------- cases drawn at grade time
+def test_a_table_of_one_grade_runs_answers_fails_the_next():
+    """A learner who logs the cases of one grade run and answers from that table passes the fixed
+    cases but not the ones drawn the next run."""
+    ns = solution_namespace("17")
+    real, table = ns["zigzag_positions"], {}
+
+    def logging(rank, world_size, seq_len):
+        table[rank, world_size, seq_len] = out = real(rank, world_size, seq_len)
+        return out
+
+    ns["zigzag_positions"] = logging
+    exec(compile(_check_cell("17", "check_zigzag_positions"), "<check>", "exec"), ns)  # noqa: S102
+    assert len(table) > 36
+
+    def from_the_table(rank, world_size, seq_len):
+        if seq_len % (2 * world_size):
+            raise ValueError("cannot split")
+        return table.get((rank, world_size, seq_len), [])
+
+    ns["zigzag_positions"] = from_the_table
+    with pytest.raises(AssertionError, match="returned"):
+        exec(compile(_check_cell("17", "check_zigzag_positions"), "<check>", "exec"), ns)  # noqa: S102
+
+
+def test_torchs_own_versions_of_an_exercise_are_switched_off():
+    """torch's modules that do an exercise's job (found by name in torch's source) are all in the
+    checks' switched-off list: a new torch that adds one fails here, not in a learner's notebook."""
+    import torch
+
+    from parallel_lab.grading.checks import long_sequences
+
+    root = Path(torch.__file__).parent / "distributed"
+    job = re.compile(r"^(?:class|def) (_?\w*(?:LoadBalancer|Merger)\b|_?\w*(?:zigzag|head_tail|partial_update)\w*)",
+                     re.M | re.I)  # fmt: skip
+    found = {}
+    for f in root.rglob("*.py"):
+        for name in job.findall(f.read_text(encoding="utf-8", errors="ignore")):
+            module = ".".join(f.relative_to(root.parent.parent).with_suffix("").parts)
+            found.setdefault(module, []).append(name)
+    assert found, "the search finds nothing: torch's layout changed"
+    covered = {k.rsplit(".", 2)[0] for k in long_sequences.TORCH_CP} | {
+        k.rsplit(".", 1)[0] for k in long_sequences.TORCH_CP
+    }
+    missing = {m: names for m, names in found.items() if m not in covered}
+    assert not missing, f"torch modules doing an exercise's job, not switched off: {missing}"

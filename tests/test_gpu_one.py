@@ -26,7 +26,7 @@ import parallel_lab as pl
 from parallel_lab.runtime import device as dev
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun, wherever this python keeps it
 GPUS = dev.gpu_count()  # counted without creating a CUDA context in this process
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a GPU")]
@@ -222,7 +222,7 @@ def test_checkpoint_saved_by_an_nccl_rank_reads_back_on_the_cpu(tmp_path):
 def test_more_ranks_than_gpus_fall_back_to_gloo():
     """torchrun with 2 ranks per GPU: gloo on the CPU (said), not NCCL failing on a duplicate GPU."""
     n = GPUS + 1
-    out = _run([str(BIN / "torchrun"), "--nproc-per-node", str(n), "-m", "parallel_lab.scripts.collectives"])
+    out = _run([*TORCHRUN, "--nproc-per-node", str(n), "-m", "parallel_lab.scripts.collectives"])
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "all collectives match torch.distributed" in out.stdout
     assert f"{n} ranks on this machine but {GPUS} GPU(s)" in out.stderr
@@ -244,7 +244,7 @@ ONE_RANK = {
 def test_script_at_one_rank_on_nccl(family, tmp_path):
     args, ok = ONE_RANK[family]
     trace = tmp_path / "trace.json"
-    out = _run([str(BIN / "torchrun"), "--nproc-per-node", "1", "-m", *args, "--trace", str(trace)])
+    out = _run([*TORCHRUN, "--nproc-per-node", "1", "-m", *args, "--trace", str(trace)])
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert ok in out.stdout, out.stdout[-3000:]
     assert pl.RunResult.load(str(trace)).backend == "nccl"

@@ -93,7 +93,7 @@ def test_script_backend(monkeypatch, env, gpus, want):
 
 def _machine(monkeypatch, gpus: int, env: dict[str, str]) -> None:
     """Fake a machine with `gpus` GPUs (NCCL present) and these launcher variables."""
-    for k in ("ACCELERATE_USE_CPU", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+    for k in ("ACCELERATE_USE_CPU", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -120,20 +120,23 @@ def test_one_backend_rule_for_launch_and_launchers(monkeypatch, gpus, local_rank
     machine of 0, 1, 2 or 8 GPUs."""
     _machine(monkeypatch, gpus, env)
     assert dev.resolve_backend("auto", local_ranks) == want
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # torchrun / accelerate launch
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
     monkeypatch.setenv("LOCAL_RANK", "1")  # not local rank 0: says nothing
     assert from_env.env_backend("auto") == want
 
 
-def test_srun_tasks_shown_one_gpu_each_keep_nccl(monkeypatch):
-    """srun --gpus-per-task=1 without torchrun: no LOCAL_WORLD_SIZE, each task sees one GPU."""
-    _machine(monkeypatch, 1, {"LOCAL_RANK": "3"})
+@pytest.mark.parametrize("env", [{"LOCAL_RANK": "3"}, {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}])
+def test_srun_tasks_shown_one_gpu_each_keep_nccl(monkeypatch, env):
+    """srun --gpus-per-task=1 without torchrun, or submitit (which exports LOCAL_WORLD_SIZE too, but
+    is no torch elastic launcher): each task sees a GPU of its own, so one GPU proves no sharing."""
+    _machine(monkeypatch, 1, env)
     assert from_env.env_backend("auto") == "nccl"
     assert dev.local_cuda_index(3) == 0
 
 
 def test_more_local_ranks_than_gpus_falls_back_and_says_so(monkeypatch, capsys):
-    _machine(monkeypatch, 1, {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    _machine(monkeypatch, 1, {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"})
     assert from_env.env_backend("auto") == "gloo"
     assert "2 ranks on this machine but 1 GPU(s)" in capsys.readouterr().err
     # an explicit backend="nccl" gets a clear error, not NCCL's duplicate-GPU failure
@@ -159,8 +162,9 @@ def test_local_nodes_get_their_own_gpus_or_the_cpu(monkeypatch):
 
 
 def test_seeded_builds_leave_the_gpu_generators_alone(monkeypatch):
-    """torch.manual_seed also reseeds every CUDA generator, which fork_rng(devices=[]) does not
-    restore: later CUDA draws would agree on every rank. Seeded builds touch the CPU generator only."""
+    """torch.manual_seed also resets every CUDA generator to its seed, which fork_rng(devices=[]) does
+    not restore: a rank's CUDA draws would restart from the model's seed after each build. Seeded
+    builds touch the CPU generator only."""
     from parallel_lab.models import GPTConfig, build_model
     from parallel_lab.moe import MoEConfig, build_moe
 

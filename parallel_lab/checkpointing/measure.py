@@ -131,8 +131,8 @@ def linear_stack(layers: int = 24, linears: int = 5, hidden: int = 64, seed: int
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     with torch.random.fork_rng(devices=[]):
-        # the CPU generator alone: torch.manual_seed would reseed every GPU's too, which
-        # fork_rng(devices=[]) does not restore (later CUDA draws would then agree on all ranks)
+        # the CPU generator alone: torch.manual_seed would also reset every GPU's generator to
+        # this seed, which fork_rng(devices=[]) does not restore (a rank's CUDA draws would restart)
         torch.default_generator.manual_seed(seed)
         blocks = []
         for _ in range(layers):

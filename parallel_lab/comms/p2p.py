@@ -104,18 +104,18 @@ def post_batch(ctx, sends: list, recvs: list) -> tuple[list[Handle], list[Handle
     for t, _, _ in [*sends, *recvs]:
         check_device(ctx, t)
     works = post_p2p(None, sends=sends, recvs=recvs)
-    own = independent_messages(None)  # gloo: works[k] is message k's, receives first
+    own = independent_messages(None)  # gloo: one work per non-empty message, receives first
+    moving = iter(works)  # (post_p2p skips empty tensors: they move nothing and get no work)
 
-    def handle(k: int, t: torch.Tensor, peer: int, send: bool) -> Handle:
+    def handle(t: torch.Tensor, peer: int, send: bool) -> Handle:
         nbytes = t.numel() * t.element_size()
         name = "isend" if send else "irecv"
         args = {"op": name, "numel": t.numel(), "dtype": str(t.dtype).replace("torch.", ""), "peers": [peer]}
-        return Handle(
-            ctx, name, [works[k]] if own else works, args, nbytes if send else 0, 0 if send else nbytes, t
-        )
+        mine = [] if t.numel() == 0 else [next(moving)] if own else works
+        return Handle(ctx, name, mine, args, nbytes if send else 0, 0 if send else nbytes, t)
 
-    rh = [handle(k, t, peer, False) for k, (t, peer, _) in enumerate(recvs)]
-    sh = [handle(len(recvs) + k, t, peer, True) for k, (t, peer, _) in enumerate(sends)]
+    rh = [handle(t, peer, False) for t, peer, _ in recvs]
+    sh = [handle(t, peer, True) for t, peer, _ in sends]
     return sh, rh
 
 

@@ -37,8 +37,8 @@ class CompactGPT(nn.Module):
             raise ValueError(f"embed_dim must be in [1, d_model={cfg.d_model}], got {embed_dim!r}")
         self.cfg, self.unique_layers, self.embed_dim = cfg, u, e
         with torch.random.fork_rng(devices=[]):
-            # the CPU generator alone: torch.manual_seed would reseed every GPU's too, which
-            # fork_rng(devices=[]) does not restore (later CUDA draws would then agree on all ranks)
+            # the CPU generator alone: torch.manual_seed would also reset every GPU's generator to
+            # this seed, which fork_rng(devices=[]) does not restore (a rank's CUDA draws would restart)
             torch.default_generator.manual_seed(seed)
             self.wte = nn.Embedding(cfg.vocab, e)
             self.proj = nn.Linear(e, cfg.d_model, bias=False) if e != cfg.d_model else None

@@ -250,8 +250,8 @@ class MoELayer(nn.Module):
 def build_moe(cfg: MoEConfig, seed: int = 0) -> MoELayer:
     """An `MoELayer` with weights fixed by `seed` (global RNG untouched): same on every rank."""
     with torch.random.fork_rng(devices=[]):
-        # the CPU generator alone: torch.manual_seed would reseed every GPU's too, which
-        # fork_rng(devices=[]) does not restore (later CUDA draws would then agree on all ranks)
+        # the CPU generator alone: torch.manual_seed would also reset every GPU's generator to
+        # this seed, which fork_rng(devices=[]) does not restore (a rank's CUDA draws would restart)
         torch.default_generator.manual_seed(seed)
         return MoELayer(cfg)
 

@@ -37,7 +37,7 @@ from parallel_lab.models import build_model, make_optimizer, synthetic_batch
 from parallel_lab.pipeline.schedules import make_schedule
 from parallel_lab.pipeline.simulator import post_plan, validate_schedule
 from parallel_lab.pipeline.stages import PipelineConfig, reference_batches, split_layers, stage_modules
-from parallel_lab.runtime.device import bind_thread, is_cuda
+from parallel_lab.runtime.device import bind_thread, is_cuda, on_stream, side_stream
 from parallel_lab.runtime.parallel_dims import ParallelDims
 
 __all__ = ["PipelineConfig", "PipelineRank", "SendReaper", "StageParts", "mlp_stage_parts", "reference_batches",
@@ -55,14 +55,19 @@ class SendReaper:
     def __init__(self, device: torch.device | None = None):
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.device = device if device is not None else torch.device("cpu")
+        # On a GPU, NCCL's wait() makes the *current* stream wait for the send's batch: on the default
+        # stream that would hold back every later compute kernel until the peer received. The reaper
+        # waits on a stream of its own instead (its span's end mark too); None on a CPU.
+        self.stream = side_stream(self.device)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         bind_thread(self.device)  # a new thread starts on GPU 0
-        while (h := self.q.get()) is not None:
-            h.wait()  # records the span issue -> delivery, books the bytes
-            del h  # the tensor goes with it
+        with on_stream(self.stream):  # (current streams are per thread)
+            while (h := self.q.get()) is not None:
+                h.wait()  # records the span issue -> delivery, books the bytes
+                del h  # the tensor goes with it
 
     def add(self, handle: comms.Handle) -> None:
         self.q.put(handle)

@@ -105,17 +105,19 @@ def plan_layer_offload(
 
 
 def _to_device(
-    host: dict[str, torch.Tensor], device: torch.device, stream
+    ctx, name: str, host: dict[str, torch.Tensor], stream
 ) -> tuple[dict[str, torch.Tensor], object]:
     """A fresh device copy of a layer's weights (always a copy, also when host is device), made on
-    `stream` (a GPU's copy stream; None: inline), and the point where the copies end. From pinned
-    host memory a copy on its own stream runs while the compute stream computes; from pageable
-    memory it could not."""
-    allocated = mesh.stream_point(device)  # the copies' memory may still be read by earlier kernels
+    `stream` (a GPU's copy stream; None: inline) inside the span `name`, whose marks go on that
+    stream too, and the point where the copies end. From pinned host memory a copy on its own
+    stream runs while the compute stream computes; from pageable memory it could not."""
+    allocated = mesh.stream_point(ctx.device)  # the copies' memory may still be read by earlier kernels
+    nbytes = sum(t.nbytes for t in host.values())
     with mesh.on_stream(stream):
         mesh.wait_for(allocated)
-        out = {k: v.to(device, copy=True, non_blocking=True) for k, v in host.items()}
-        return out, mesh.stream_point(device)
+        with ctx.span(name, "memcpy", bytes=nbytes), _category(ctx, "param"):
+            out = {k: v.to(ctx.device, copy=True, non_blocking=True) for k, v in host.items()}
+        return out, mesh.stream_point(ctx.device)
 
 
 def _category(ctx, name: str):
@@ -150,9 +152,7 @@ def run_layer_by_layer(
 
     def load(i: int) -> None:
         if i < len(host_layers) and i not in loaded:
-            nbytes = sum(t.nbytes for t in host[i].values())
-            with ctx.span(f"load {i}", "memcpy", bytes=nbytes), _category(ctx, "param"):
-                loaded[i], ready[i] = _to_device(host[i], ctx.device, copy_stream)
+            loaded[i], ready[i] = _to_device(ctx, f"load {i}", host[i], copy_stream)
 
     for i in range(resident):
         load(i)

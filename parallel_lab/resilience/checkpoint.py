@@ -96,7 +96,10 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU the saving rank saw; a resume may see fewer (another slice of
+        # CUDA_VISIBLE_DEVICES): restore those that exist
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
 
 
 # ----------------------------------------------------------------------------- save

@@ -89,10 +89,14 @@ def local_cuda_index(local_rank: int | None) -> int:
 
 
 def local_world_size() -> int | None:
-    """Ranks on this machine as torchrun / accelerate launch say (LOCAL_WORLD_SIZE); None when no
-    launcher said (srun alone: each task may be shown a GPU of its own, so the count proves nothing)."""
+    """Ranks on this machine, when they all see the same GPUs: LOCAL_WORLD_SIZE as torch elastic sets
+    it (torchrun, and accelerate launch, which runs on it: TORCHELASTIC_RUN_ID is set). None otherwise:
+    under srun or submitit (which also export LOCAL_WORLD_SIZE) each task may be shown a GPU of its
+    own (--gpus-per-task=1), so a count of tasks against the GPUs one task sees proves nothing."""
     v = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(v) if v and v.strip().isdigit() else None
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not v or not v.strip().isdigit():
+        return None
+    return int(v)
 
 
 def auto_backend(local_ranks: int | None) -> tuple[str, str]:

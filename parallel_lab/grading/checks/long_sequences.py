@@ -5,26 +5,39 @@ the zigzag layout of a sequence over the ranks of a context-parallel group.
 keys (two blocks, then a chain of four, then blocks a query cannot see at all) and compared with
 attention over the union in float64; the scores pass 100 so that a merge which exponentiates a
 log-sum-exp without subtracting the larger one overflows. `zigzag_positions(rank, world_size,
-seq_len)` is compared with the layout the lab's ring attention uses, for 1 to 8 ranks, and must
-reject a length the layout cannot split.
+seq_len)` is compared with the layout the lab's ring attention uses, for 1 to 8 ranks and on
+layouts drawn at random each run (up to 16 ranks), and must reject a length the layout cannot split.
+Shapes, splits and values of the merge cases are drawn each run too, so a table of one run's answers
+fails the next. While the learner's function runs, the lab's implementations and torch's own
+(context parallelism's load balancers and its partial-attention merger, private to torch) are off.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 
 import torch
 
-from parallel_lab.grading.checks import family, guarded, passed, require_callable
+from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
 
+#: torch's context parallelism (private: torch.distributed.tensor.experimental), where a load
+#: balancer lays out the zigzag and _SDPAMerger merges partial attention results
+TORCH_CP = family(
+    "torch.distributed.tensor.experimental._context_parallel._load_balancer",
+    "torch.distributed.tensor.experimental._context_parallel._attention",
+    "torch.distributed.tensor.experimental._attention",
+    missing_ok=True,
+)
 _SDPA = "merge the two partial results yourself"
 FORBIDDEN = {
     **family("parallel_lab.inference.attention", "parallel_lab.context_parallel.ring"),
+    **TORCH_CP,
     "torch.nn.functional.scaled_dot_product_attention": _SDPA,
     "torch._C._nn.scaled_dot_product_attention": _SDPA,
 }
-LAYOUT_FORBIDDEN = family("parallel_lab.context_parallel.layout")
+LAYOUT_FORBIDDEN = {**family("parallel_lab.context_parallel.layout"), **TORCH_CP}
 
 __all__ = ["check_merge_partials", "check_zigzag_positions"]
 
@@ -73,23 +86,33 @@ def check_merge_partials(merge: Callable) -> None:
     """`merge(out_a, lse_a, out_b, lse_b)` -> (out, lse): attention over the union of two blocks of keys."""
     require_callable(merge, "merge")
     fn = guarded(merge, FORBIDDEN, "this exercise (merge)")
-    g = torch.Generator().manual_seed(17)
+    rnd = random.Random(draw_seed())
+    g = torch.Generator().manual_seed(rnd.getrandbits(62))
     cases = 0
     top = 0.0
-    for B, H, n, d, scale in ((2, 3, 5, 8, 1.0), (1, 2, 7, 16, 3.0), (2, 2, 4, 8, 60.0)):
-        # scale 60: scores past 88, where exp() overflows float32
+    # shapes, the split of the keys and the values drawn this run; the last scale pushes scores past 88,
+    # where exp() overflows float32
+    shapes = [(rnd.randint(1, 3), rnd.randint(1, 4), rnd.randint(1, 9), rnd.choice((4, 8, 16)), s)
+              for s in (1.0, 3.0, 60.0)]  # fmt: skip
+    for B, H, n, d, scale in shapes:
+        m = rnd.randint(6, 16)  # keys
+        cut = rnd.randint(1, m - 1)
         q = torch.randn(B, H, n, d, generator=g) * scale
-        k, v = torch.randn(B, H, 12, d, generator=g), torch.randn(B, H, 12, d, generator=g)
+        k, v = torch.randn(B, H, m, d, generator=g), torch.randn(B, H, m, d, generator=g)
         big = (q @ k.transpose(-2, -1) / math.sqrt(d)).abs().max().item()
         top = max(top, big)
         want = _partial(q, k, v)
-        a, b = _partial(q, k[:, :, :5], v[:, :, :5]), _partial(q, k[:, :, 5:], v[:, :, 5:])
-        what = f"merge of keys 0-4 and 5-11 (B={B}, H={H}, {n} queries, d={d}, scores up to {big:.0f})"
+        a, b = _partial(q, k[:, :, :cut], v[:, :, :cut]), _partial(q, k[:, :, cut:], v[:, :, cut:])
+        what = f"merge of keys 0-{cut - 1} and {cut}-{m - 1} (B={B}, H={H}, {n} queries, d={d}, scores up to {big:.0f})"
         _compare(*_call(fn, a, b, what), *want, what)
-        out, lse = _partial(q, k[:, :, :3], v[:, :, :3])  # a chain, as a ring of 4 ranks would merge
-        for j in (3, 6, 9):
-            out, lse = _call(fn, (out, lse), _partial(q, k[:, :, j : j + 3], v[:, :, j : j + 3]), what)
-        _compare(out, lse, *want, f"four blocks of 3 keys merged one after another ({what[9:]})")
+        bounds = sorted(rnd.sample(range(1, m), 3))  # a chain of four blocks, as a ring of 4 ranks merges
+        edges = [0, *bounds, m]
+        out, lse = _partial(q, k[:, :, : edges[1]], v[:, :, : edges[1]])
+        for lo, hi in zip(edges[1:], edges[2:]):
+            out, lse = _call(fn, (out, lse), _partial(q, k[:, :, lo:hi], v[:, :, lo:hi]), what)
+        _compare(
+            out, lse, *want, f"four blocks of keys (cut at {bounds}) merged one after another ({what[9:]})"
+        )
         b_first = _call(fn, b, a, what)
         _compare(*b_first, *want, f"the same blocks in the other order ({what[9:]})")
         cases += 3
@@ -99,7 +122,7 @@ def check_merge_partials(merge: Callable) -> None:
     hidden = _partial(q, k, v, torch.zeros(4, 4, dtype=torch.bool))
     what = "a block whose keys no query may see (its out is 0 and its lse is -inf) merged with a visible one"
     _compare(*_call(fn, seen, hidden, what), *seen, what)
-    passed("check_merge_partials", f"{cases + 1} cases, scores up to {top:.0f}")
+    passed("check_merge_partials", f"{cases + 1} cases drawn this run, scores past 88 in the last three")
 
 
 def _zigzag(rank: int, n: int, length: int) -> list[int]:
@@ -111,26 +134,29 @@ def check_zigzag_positions(zigzag_positions: Callable) -> None:
     """`zigzag_positions(rank, world_size, seq_len)` -> the positions rank holds, chunks r and 2N-1-r, in order."""
     require_callable(zigzag_positions, "zigzag_positions")
     fn = guarded(zigzag_positions, LAYOUT_FORBIDDEN, "this exercise (zigzag_positions)")
-    count = 0
-    for n in range(1, 9):
-        for length in (2 * n, 4 * n, 6 * n + 12 * n):
-            for rank in range(n):
-                got = fn(rank, n, length)
-                got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
-                want = _zigzag(rank, n, length)
-                where = f"zigzag_positions(rank={rank}, world_size={n}, seq_len={length})"
-                if got == want:
-                    count += 1
-                    continue
-                c = length // (2 * n)
-                if sorted(got) == sorted(want):
-                    hint = f" holds the right tokens in the wrong order: the early chunk ({rank}) comes first"
-                elif got == [*range(rank * c, (rank + 1) * c), *range((n + rank) * c, (n + rank + 1) * c)]:
-                    hint = (f": that pairs chunk {rank} with chunk N + {rank} = {n + rank}; the partner that balances "
-                            f"a causal mask is chunk 2N-1-{rank} = {2 * n - 1 - rank}")  # fmt: skip
-                else:
-                    hint = f": expected chunks {rank} and {2 * n - 1 - rank} of {2 * n} chunks of {c} tokens"
-                raise AssertionError(f"{where} returned {got}, expected {want}{hint}")
+    rnd = random.Random(draw_seed())
+    fixed = [(n, length, rank) for n in range(1, 9) for length in (2 * n, 4 * n) for rank in range(n)]
+    drawn = []
+    for _ in range(24):  # layouts no table of an earlier run holds: up to 16 ranks, chunks of up to 64
+        n = rnd.randint(2, 16)
+        drawn.append((n, 2 * n * rnd.randint(3, 64), rnd.randrange(n)))
+    for n, length, rank in fixed + drawn:
+        got = fn(rank, n, length)
+        got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
+        want = _zigzag(rank, n, length)
+        where = f"zigzag_positions(rank={rank}, world_size={n}, seq_len={length})"
+        if got == want:
+            continue
+        c = length // (2 * n)
+        if sorted(got) == sorted(want):
+            hint = f" holds the right tokens in the wrong order: the early chunk ({rank}) comes first"
+        elif got == [*range(rank * c, (rank + 1) * c), *range((n + rank) * c, (n + rank + 1) * c)]:
+            hint = (f": that pairs chunk {rank} with chunk N + {rank} = {n + rank}; the partner that balances "
+                    f"a causal mask is chunk 2N-1-{rank} = {2 * n - 1 - rank}")  # fmt: skip
+        else:
+            hint = f": expected chunks {rank} and {2 * n - 1 - rank} of {2 * n} chunks of {c} tokens"
+        shown = want if len(want) <= 16 else f"{want[:8]} ... {want[-8:]}"
+        raise AssertionError(f"{where} returned {got if len(got) <= 16 else '...'}, expected {shown}{hint}")
     for n, length in ((4, 12), (3, 9), (2, 6)):
         try:
             fn(0, n, length)
@@ -140,4 +166,7 @@ def check_zigzag_positions(zigzag_positions: Callable) -> None:
             f"zigzag_positions(0, {n}, {length}) returned instead of raising ValueError: {length} tokens do not "
             f"split into 2 x {n} = {2 * n} equal chunks"
         )
-    passed("check_zigzag_positions", f"{count} ranks on 1 to 8 ranks, and 3 lengths that cannot split")
+    passed(
+        "check_zigzag_positions",
+        f"{len(fixed)} fixed layouts, {len(drawn)} drawn this run, 3 lengths that cannot split",
+    )

@@ -470,6 +470,8 @@ def _off_device(fn: ast.FunctionDef) -> list[tuple[int, str]]:
             "build_moe",
         ):
             found.append((n.lineno, "a model built without device="))
+        elif (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) == "synthetic_batch":
+            found.append((n.lineno, "a batch made without device="))
     return found
 
 

@@ -88,13 +88,13 @@ def alpha_beta_seconds(algorithm: str, nbytes: int, world_size: int, alpha: floa
 
 def multinode_all_reduce_seconds(nbytes: int, nodes: int, gpus_per_node: int, intra_bw: float, inter_bw: float,
                                  alpha: float = 0.0, hierarchical: bool = True) -> float:  # fmt: skip
-    """Alpha-beta time of an all-reduce over nodes x gpus_per_node ranks (Thakur et al. 2005).
+    """Alpha-beta time (Thakur et al. 2005) of an all-reduce over nodes x gpus_per_node ranks.
 
     Flat ring over every rank, `hierarchical=False`: ONE ring, which leaves each node through one
     NIC, so every step waits on that NIC: 2(p-1) steps of nbytes/p at `inter_bw` (the single-NIC
     ring; NCCL runs several rings, one per NIC: `multirail_all_reduce_seconds`). Hierarchical
     (reduce-scatter inside each node, all-reduce of each 1/g shard across the nodes, all-gather
-    inside the node): the network carries only the 1/g shards, 2(n-1)/n of nbytes/g per GPU at
+    inside the node, as Horovod's NCCLHierarchicalAllreduce does, horovod/common/ops/nccl_operations.cc): the network carries only the 1/g shards, 2(n-1)/n of nbytes/g per GPU at
     `inter_bw` per GPU, after and before the NVLink phases; 2(g-1) + 2(n-1) latency steps instead
     of the flat ring's 2(ng-1). `intra_bw` and `inter_bw` are bytes/s per GPU (NVLink; the node's
     network share of one GPU, i.e. one NIC per GPU).
@@ -119,8 +119,9 @@ def multirail_all_reduce_seconds(nbytes: int, nodes: int, gpus_per_node: int, in
 
     NCCL's topology search looks for as many concurrent flows as it can, each entering a node
     through a NIC, running through every GPU of the node over NVLink, and leaving through a NIC
-    (NVIDIA/nccl issue #412; src/graph/search.cc): with g GPUs and g NICs per node, g rings
-    ("channels"), each carrying nbytes/g. A rank still sends 2(p-1)/p of nbytes in 2(p-1) steps,
+    (NVIDIA/nccl issue #412; src/graph/search.cc): with g GPUs and g NICs per node, the rings
+    ("channels"; NCCL often runs more channels than NICs, several sharing a NIC) spread the data
+    over all g NICs, nbytes/g through each. A rank still sends 2(p-1)/p of nbytes in 2(p-1) steps,
     but the node's traffic now leaves through all g NICs at once: each NIC carries 2(p-1)/p of
     nbytes/g, and each GPU sends the other (g-1)/g of its share over NVLink, at the same time.
     The slower of the two sets the pace:

@@ -171,8 +171,10 @@ def p2p_batches(schedule: list[list[Step]], fused: bool = True) -> list[list[lis
     posts one batch per such time, holding its sends made then and its receives of the messages
     its neighbours send then, as torch.distributed.pipelining posts, step by step of its global
     order, the sends and receives that belong together. Both ends of a message post it in the
-    batch of the same time, and a batch of time t waits only for computes that end by t, which
-    wait only for batches of earlier times: no cycle, whatever the schedule. Not `fused`: each
+    batch of the same time. A rank posts the batch of time t before its first compute that starts
+    at t or later, so the batch waits only for computes that start before t, and each of those
+    waited only for batches of times up to its start: every wait points to an earlier time, and
+    no cycle can form, whatever the schedule. Not `fused`: each
     message alone, in list order (what a naive executor posts; 1F1B deadlocks under NCCL).
     Messages to the rank itself (one pipeline rank) need no posting and are left out."""
     if not fused:

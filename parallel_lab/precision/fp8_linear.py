@@ -6,9 +6,11 @@ three tensors has its own scale, current (this tensor's amax) or delayed (the la
 last steps, `fp8.DelayedScaling`). The products run one of two ways over the same fp8 values:
 "simulated" (dequantize the fp8 values to float32 and multiply in float32) and "scaled_mm"
 (`torch._scaled_mm`, the fp8 GEMM that GPUs of compute capability 8.9+ (Ada, Hopper) run in
-hardware; here on the CPU). On CUDA `_scaled_mm` needs every dimension of both operands a multiple
-of 16, and the backward makes the token count an inner dimension, so operands are zero-padded to
-multiples of 16 on every device (zeros add nothing to a product; the CPU runs the GPU's code path).
+hardware; here on the CPU). On CUDA `_scaled_mm` needs the inner dimension and both dimensions of
+the second operand to be multiples of 16 (an H100 refused a 32x40 first operand; its row count is
+free), and the backward makes the token count an inner dimension, so operands are zero-padded to
+multiples of 16 in every dimension on every device (zeros add nothing to a product; the CPU runs
+the GPU's code path).
 On an older GPU "scaled_mm" falls back to "simulated", with a warning. The bias is added in float32,
 outside the fp8 product.
 

@@ -67,19 +67,23 @@ def test_world_size_1_launches_nccl_from_a_parent_that_touched_cuda():
 def _sleep_span(ctx, cycles: int):
     import time
 
+    from parallel_lab.runtime.device import Stopwatch
+
     torch.ones(1, device=ctx.device).sum().item()  # context and clock warm
+    watch = Stopwatch(ctx.device)
     t0 = time.perf_counter()
-    with ctx.recorder.span("sleep", "compute"):
+    with ctx.recorder.span("sleep", "compute"), watch():
         torch.cuda._sleep(cycles)  # the GPU spins; the host returns at once
     issued = time.perf_counter() - t0
     torch.cuda.synchronize()
-    return issued
+    return issued, watch.seconds
 
 
 def test_spans_are_timed_on_the_device_clock():
     res = pl.launch(_sleep_span, 1, 200_000_000)  # 200M cycles: about 0.1 s at 2 GHz
     (span,) = [e for e in res.timeline if e["name"] == "sleep"]
-    length, issued = span["end"] - span["start"], res.values[0]
+    length, (issued, watched) = span["end"] - span["start"], res.values[0]
+    assert abs(watched - length) < 0.2 * length, (watched, length)  # the Stopwatch reads the same clock
     assert span["args"].get("clock") == "cuda_event"
     assert length > 0.03, (
         f"a 200M-cycle sleep spanned {length * 1e3:.2f} ms: the span ended when it was queued"

@@ -507,3 +507,14 @@ def test_the_lesson_scan_finds_what_it_is_for():
     assert sorted(_off_device(fn)) == [
         (2, "torch.randn(...) without device="), (4, "a model built without device="), (6, '"cpu" passed as a device')
     ]  # fmt: skip
+
+
+def test_stopwatch_adds_up_intervals_on_the_work_clock():
+    import time
+
+    watch = dev.Stopwatch(torch.device("cpu"))
+    for _ in range(2):
+        with watch():
+            time.sleep(0.02)
+    assert 0.035 < watch.seconds < 0.5
+    assert watch.seconds == watch.seconds  # reading twice adds nothing

@@ -16,6 +16,7 @@ import functools
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import torch
@@ -196,6 +197,40 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels so timings are honest (no-op on CPU)."""
     if is_cuda(device):
         torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Adds up intervals of the work's own time: `with watch(): ...`, then `watch.seconds`.
+
+    On a CPU the host clock. On a GPU the host returns from a kernel launch (or from an NCCL
+    work's wait(), which only makes the stream wait) long before the work is done, so a host clock
+    measures the launch: there each interval is a pair of CUDA events on the current stream, read
+    (synchronising) only when `seconds` is asked for."""
+
+    def __init__(self, device: torch.device):
+        self.cuda, self.done, self.pending = is_cuda(device), 0.0, []
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            yield
+            self.done += time.perf_counter() - t0
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pending.append((start, end))
+
+    @property
+    def seconds(self) -> float:
+        for start, end in self.pending:
+            end.synchronize()
+            self.done += start.elapsed_time(end) / 1e3
+        self.pending.clear()
+        return self.done
 
 
 class CudaEventClock:

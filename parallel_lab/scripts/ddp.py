@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +34,7 @@ from parallel_lab.data_parallel import (
     train_step,
 )
 from parallel_lab.models import GPTConfig, build_model, make_optimizer, synthetic_batch
+from parallel_lab.runtime import device as mesh
 from parallel_lab.runtime.from_env import round_up, run_script, scaled_default, script_world
 from parallel_lab.runtime.overlap import LayerTimer, comm_hidden_fraction
 
@@ -118,15 +118,16 @@ def train_dp(ctx: Any, cfg: DDPRun) -> dict:
             batch = synthetic_batch("tokens", cfg.batch, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab,
                                     seed=ctx.seed + 1000 + i, device=ctx.device)  # fmt: skip
         dist.barrier()  # every rank starts the step together: step times compare
-        t0 = time.perf_counter()
+        watch = mesh.Stopwatch(ctx.device)  # device time on a GPU: a host clock would time the launches
         starts.append(ctx.recorder.now())
-        if cfg.variant == "param_server":
-            losses.append(dp.step(batch if dp.is_server else None, timer=timer))
-        else:
-            xs, ys = (t.clone() for t in shard_batch(batch, ctx.rank, ctx.world_size))  # own storage
-            losses.append(train_step(ctx, dp, opt, (xs, ys), cfg.accumulation_steps, timer=timer))
+        with watch():
+            if cfg.variant == "param_server":
+                losses.append(dp.step(batch if dp.is_server else None, timer=timer))
+            else:
+                xs, ys = (t.clone() for t in shard_batch(batch, ctx.rank, ctx.world_size))  # own storage
+                losses.append(train_step(ctx, dp, opt, (xs, ys), cfg.accumulation_steps, timer=timer))
         if i >= cfg.warmup:
-            step_s.append(time.perf_counter() - t0)
+            step_s.append(watch)
     by_op = {op: (c["sent"] / cfg.steps, c["recv"] / cfg.steps) for op, c in ctx.recorder.comm.items()}
     ctx.recorder.resolve()  # GPU: device-timed spans join the timeline before we read it
     hidden, end = comm_hidden_fraction(ctx.recorder.events, ctx.rank), ctx.recorder.now()
@@ -138,8 +139,8 @@ def train_dp(ctx: Any, cfg: DDPRun) -> dict:
         "t_start": t_start,
         "step_starts": starts[cfg.warmup :] + [end],
         "loss": losses[-1],
-        "step_ms": [1e3 * s for s in step_s],
-        "median_ms": 1e3 * statistics.median(step_s),
+        "step_ms": [1e3 * w.seconds for w in step_s],
+        "median_ms": 1e3 * statistics.median(w.seconds for w in step_s),
         "buckets": dp.bucket_table() if isinstance(dp, BucketedDDP) else None,
         "hidden": hidden,
         "sent_per_step": sum(v[0] for v in by_op.values()),

@@ -34,7 +34,6 @@ the ranks' batches.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel_lab import comms
+from parallel_lab.runtime import device as mesh
 from parallel_lab.zero.comm import GradReducer, _label, all_gather_pieces, ring_all_gather_
 from parallel_lab.zero.layout import (
     ZeroLayout,
@@ -170,7 +170,7 @@ class ZeroOptimizer(ZeroBase):
             )
         super().__init__(ctx, model, stage, optimizer, precision, units, group, optim_kwargs)
         self.overlap_param_gather = bool(overlap_param_gather)
-        self.exposed_gather_seconds = 0.0
+        self._gather_watch = mesh.Stopwatch(ctx.device)  # device time on a GPU (a wait() only orders streams)
         self._gathers: list[Any] = [None] * len(self.groups.params)
         self._gather_hooks = []
         if self.overlap_param_gather:
@@ -219,10 +219,14 @@ class ZeroOptimizer(ZeroBase):
     def _wait_gather(self, u: int) -> None:
         """Unit u's updated pieces have arrived (the forward pre-hook of the unit, with overlap)."""
         if self._gathers[u] is not None:
-            t0 = time.perf_counter()
-            self._gathers[u].wait()
-            self.exposed_gather_seconds += time.perf_counter() - t0
+            with self._gather_watch():
+                self._gathers[u].wait()
             self._gathers[u] = None
+
+    @property
+    def exposed_gather_seconds(self) -> float:
+        """Seconds this rank's work waited for parameters (the gathers' time not hidden behind compute)."""
+        return self._gather_watch.seconds
 
     def wait_param_gather(self) -> None:
         """Every unit's gather finished (before anything reads or writes the whole flat buffer)."""
@@ -262,9 +266,8 @@ class ZeroOptimizer(ZeroBase):
         if self.stage > 0 and self.overlap_param_gather:
             self._issue_param_gather()  # each unit's forward waits for its own pieces
         elif self.stage > 0:
-            t0 = time.perf_counter()
-            ring_all_gather_(ctx, st.flat, self.group)  # every rank's updated slice, everywhere
-            self.exposed_gather_seconds += time.perf_counter() - t0
+            with self._gather_watch():
+                ring_all_gather_(ctx, st.flat, self.group)  # every rank's updated slice, everywhere
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradients. Stages 0-1 keep their flat buffer (the .grads are views of it);

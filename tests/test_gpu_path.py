@@ -518,3 +518,20 @@ def test_stopwatch_adds_up_intervals_on_the_work_clock():
             time.sleep(0.02)
     assert 0.035 < watch.seconds < 0.5
     assert watch.seconds == watch.seconds  # reading twice adds nothing
+
+
+def test_hang_report_under_nccl_says_queued_not_finished():
+    e = pl.LaunchTimeout(5, {0: "all_reduce", 1: None}, backend="nccl")
+    assert "queued on the GPU" in str(e) and "finished" not in e.doing(0)
+    assert "had finished" in pl.LaunchTimeout(5, {0: "all_reduce"}).doing(0)
+
+
+def test_weight_streaming_refuses_a_model_off_the_rank_device():
+    from types import SimpleNamespace
+
+    from parallel_lab.offload import WeightStreamer
+
+    ctx = SimpleNamespace(device=torch.device("meta"), memory=None)
+    with pytest.raises(ValueError, match="build it with device=ctx.device"):
+        lin = torch.nn.Linear(4, 4)
+        WeightStreamer(ctx, lin, budget_bytes=1 << 20, units=[lin])

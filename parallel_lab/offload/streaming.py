@@ -68,8 +68,14 @@ class WeightStreamer:
         self.units = streaming_units(model) if units is None else list(units)
         if not self.units:
             raise ValueError("model has no units to stream (no parameters?)")
-        self.host = host if host is not None else HostPool(ctx)
         self.device = next(model.parameters()).device
+        if getattr(ctx, "device", None) is not None and self.device != torch.device(ctx.device):
+            raise ValueError(
+                f"model is on {self.device} but this rank computes on {ctx.device}: build it with "
+                "device=ctx.device (the budget counts the bytes live on the rank's device, which would "
+                "never see these weights)"
+            )
+        self.host = host if host is not None else HostPool(ctx)
         self.params = [list(dict.fromkeys(u.parameters())) for u in self.units]  # each unit's, once
         self.shapes = {id(p): p.shape for ps in self.params for p in ps}
         sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in self.params]

@@ -43,7 +43,8 @@ class LaunchTimeout(TimeoutError):
 
     `stuck`: {rank: last collective it entered, or None}; `inside`: {rank: collectives it was in
     when time ran out (an async op counts until it is waited on)}; `starting`: ranks whose
-    process group never came up."""
+    process group never came up. `backend`: under NCCL a collective call returns once its kernel is
+    queued, so "finished" can only be said of the host's call (the kernel may still wait for a peer)."""
 
     def __init__(
         self,
@@ -51,8 +52,9 @@ class LaunchTimeout(TimeoutError):
         stuck: dict[int, str | None],
         starting: set[int] | frozenset = frozenset(),
         inside: dict[int, list[str]] | None = None,
+        backend: str = "gloo",
     ):
-        self.stuck, self.starting = stuck, set(starting)
+        self.stuck, self.starting, self.backend = stuck, set(starting), backend
         self.timeline: list[dict] = []  # what the ranks recorded before time ran out (launch fills it)
         self.memory: list[dict] = []
         self.inside = {r: list((inside or {}).get(r, [])) for r in stuck}
@@ -75,7 +77,12 @@ class LaunchTimeout(TimeoutError):
         if self.inside[rank]:
             return "was inside " + ", ".join(self.inside[rank])
         last = self.stuck[rank]
-        done = f"its last traced collective, {last}, had finished" if last else "no traced collective yet"
+        ended = (
+            "been queued on the GPU (an NCCL call returns once queued: it may still wait for a peer)"
+            if self.backend == "nccl"
+            else "finished"
+        )
+        done = f"its last traced collective, {last}, had {ended}" if last else "no traced collective yet"
         return f"was running its own code ({done})"
 
 

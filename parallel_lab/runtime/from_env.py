@@ -91,8 +91,13 @@ def run_from_env(
 
 
 # What gloo and the TCP store say when the other end of a connection is gone (its process or node died).
+# Under NCCL a lost peer is no error at first: the collective waits until NCCL's watchdog times it out
+# (init_process_group's timeout, 10 minutes by default) and, with TORCH_NCCL_ASYNC_ERROR_HANDLING's
+# default, tears the process down; only where the timeout reaches Python as an error (blocking wait)
+# is it recognised here ("Watchdog caught collective operation timeout").
 _GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Failed to recv|Connection refused|"
-                   r"Socket Timeout|connection.*closed", re.IGNORECASE)  # fmt: skip
+                   r"Socket Timeout|connection.*closed|Watchdog caught collective operation timeout",
+                   re.IGNORECASE)  # fmt: skip
 
 
 def _peer_gone(e: BaseException) -> bool:

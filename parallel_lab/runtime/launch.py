@@ -414,7 +414,9 @@ def launch(
                 seen_dead = {r for r, p in enumerate(procs) if r not in values and not p.is_alive()}
             if now > deadline:
                 stuck = {r: last_op[r] for r in range(world_size) if r not in values}
-                raise LaunchTimeout(timeout, stuck, starting=set(stuck) - ready, inside=inside)
+                raise LaunchTimeout(
+                    timeout, stuck, starting=set(stuck) - ready, inside=inside, backend=backend
+                )
             if view is not None:
                 view.update(timeline, memory)  # rate-limited inside: cheap when it does not draw
             if progress is not None:

@@ -252,3 +252,16 @@ def test_script_at_one_rank_on_nccl(family, tmp_path):
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert ok in out.stdout, out.stdout[-3000:]
     assert pl.RunResult.load(str(trace)).backend == "nccl"
+
+
+def _spun(ctx):
+    from parallel_lab.runtime.device import Stopwatch, spin
+
+    watch = Stopwatch(ctx.device)
+    with watch():
+        spin(ctx.device, 0.05)  # the pipeline's emulated compute cost on a GPU
+    return watch.seconds
+
+
+def test_spin_keeps_the_gpu_busy_for_the_time_asked():
+    assert 0.035 < pl.launch(_spun, 1).values[0] < 0.08

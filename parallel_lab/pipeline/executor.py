@@ -37,7 +37,7 @@ from parallel_lab.models import build_model, make_optimizer, synthetic_batch
 from parallel_lab.pipeline.schedules import make_schedule
 from parallel_lab.pipeline.simulator import post_plan, validate_schedule
 from parallel_lab.pipeline.stages import PipelineConfig, reference_batches, split_layers, stage_modules
-from parallel_lab.runtime.device import bind_thread, is_cuda, on_stream, side_stream
+from parallel_lab.runtime.device import bind_thread, is_cuda, on_stream, side_stream, spin
 from parallel_lab.runtime.parallel_dims import ParallelDims
 
 __all__ = ["PipelineConfig", "PipelineRank", "SendReaper", "StageParts", "mlp_stage_parts", "reference_batches",
@@ -171,15 +171,17 @@ class PipelineRank:
 
     # -- compute -------------------------------------------------------------------
     def _compute(self, name: str, fn, target: float, **args):
-        """Run fn in a compute span; on a CPU, pad it to `target` seconds (an emulated device speed,
-        so bubbles have the simulator's shape). On a GPU the kernels run at the GPU's own speed and
-        nothing waits for them here: the next message's wait orders them on the streams."""
+        """Run fn in a compute span padded to `target` seconds: an emulated device speed, so bubbles
+        have the simulator's shape. On a CPU the host sleeps what fn left of it; on a GPU, where fn only
+        queues kernels, a kernel spins `target` seconds after them (`device.spin`), so the span, timed
+        on the device, lasts the kernels' time plus `target`, and no host waits."""
         with self.ctx.span(name, "compute", **args):
             t0 = time.perf_counter()
             out = fn()
-            left = target - (time.perf_counter() - t0)
-            if left > 0 and not is_cuda(self.ctx.device):
-                time.sleep(left)
+            if is_cuda(self.ctx.device):
+                spin(self.ctx.device, target)
+            else:
+                spin(self.ctx.device, target - (time.perf_counter() - t0))
         return out
 
     def _sync_grads(self, params: list[torch.Tensor]) -> None:

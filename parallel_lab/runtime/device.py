@@ -199,6 +199,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def spin(device: torch.device, seconds: float) -> None:
+    """Keep `device` busy for about `seconds` of its own time without blocking the host (an emulated
+    compute cost): `torch.cuda._sleep` spins a kernel for a number of clock cycles, and the cycles a
+    second of this GPU are measured once (`_cycles_per_second`). On a CPU: time.sleep."""
+    if seconds <= 0:
+        return
+    if not is_cuda(device):
+        time.sleep(seconds)
+        return
+    torch.cuda._sleep(int(seconds * _cycles_per_second(torch.device(device).index or 0)))
+
+
+@functools.lru_cache(maxsize=8)
+def _cycles_per_second(index: int) -> float:
+    """Clock cycles a second of GPU `index`, measured on a 50M-cycle spin (synchronises once)."""
+    with torch.cuda.device(index):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # wake the clocks up first
+        start.record()
+        torch.cuda._sleep(50_000_000)
+        end.record()
+        end.synchronize()
+        return 50_000_000 / (start.elapsed_time(end) / 1e3)
+
+
 class Stopwatch:
     """Adds up intervals of the work's own time: `with watch(): ...`, then `watch.seconds`.
 

@@ -37,7 +37,7 @@ from parallel_lab.models import build_model, make_optimizer, synthetic_batch
 from parallel_lab.pipeline.schedules import make_schedule
 from parallel_lab.pipeline.simulator import post_plan, validate_schedule
 from parallel_lab.pipeline.stages import PipelineConfig, reference_batches, split_layers, stage_modules
-from parallel_lab.runtime.device import bind_thread, is_cuda, on_stream, side_stream, spin
+from parallel_lab.runtime.device import bind_thread, is_cuda, on_stream, side_stream, spin, used_here
 from parallel_lab.runtime.parallel_dims import ParallelDims
 
 __all__ = ["PipelineConfig", "PipelineRank", "SendReaper", "StageParts", "mlp_stage_parts", "reference_batches",
@@ -48,7 +48,8 @@ class SendReaper:
     """Waits for posted sends on a thread, so each sent tensor is let go once delivered.
 
     A send must not block the schedule (the simulator's rule), yet its tensor has to stay
-    alive until the peer received it. gloo's `is_completed()` on a send stays False until
+    alive until the peer received it. (On a GPU the reaper's stream waits for the sends in the order
+    they were handed over, so a send's span can end after an earlier, slower one's.) gloo's `is_completed()` on a send stays False until
     `wait()`, and `wait()` blocks until the peer posts its receive, so only a thread can
     find out in time: otherwise 1F1B would hold every sent tensor until the flush."""
 
@@ -67,6 +68,11 @@ class SendReaper:
         with on_stream(self.stream):  # (current streams are per thread)
             while (h := self.q.get()) is not None:
                 h.wait()  # records the span issue -> delivery, books the bytes
+                # GPU: NCCL's wait() returns at once and lets go of the tensor (torch 2.8+ records no
+                # stream on it); tie its memory to this stream, which now waits for the send, so the
+                # allocator hands it out again only after the send has read it
+                if isinstance(h.result, torch.Tensor):
+                    used_here(h.result)
                 del h  # the tensor goes with it
 
     def add(self, handle: comms.Handle) -> None:

@@ -202,34 +202,10 @@ def post_plan(schedule: list[list[Step]]) -> tuple[list[list[tuple[int, list[int
 
 
 def _clock(schedule: list[list[Step]]) -> tuple[dict, list[dict[int, int]]]:
-    """Run the lists with integer times (F = 1, B = 2, messages free): when each message is sent,
-    when each compute starts. Raises ScheduleError on a deadlock, as `simulate` does."""
-    p = len(schedule)
-    ptr, t = [0] * p, [0] * p
-    sent: dict[tuple[str, int, int], int] = {}
-    starts: list[dict[int, int]] = [{} for _ in range(p)]
-    while any(ptr[r] < len(schedule[r]) for r in range(p)):
-        moved = False
-        for r in range(p):
-            steps, i, now = schedule[r], ptr[r], t[r]
-            while i < len(steps):
-                s = steps[i]
-                if s.kind in COMPUTE:
-                    starts[r][i] = now
-                    now += 1 if s.kind == "F" else 2
-                elif s.kind[0] == "S":
-                    sent[_message(r, s, p)] = now
-                else:
-                    at = sent.get(_message(r, s, p))
-                    if at is None:
-                        break
-                    now = max(now, at)
-                i += 1
-            moved |= i != ptr[r]
-            ptr[r], t[r] = i, now
-        if not moved:
-            raise ScheduleError("deadlock: every unfinished rank waits for a message never sent")
-    return sent, starts
+    """Run the lists with integer times (F = 1, B = 2, messages free, so times tie exactly): when
+    each message is sent, when each compute starts. Raises ScheduleError on a deadlock."""
+    sent, spans, _ = _run(schedule, {"F": 1, "B": 2}, 0)
+    return sent, [{i: start for start, _, _, _, _, i in rank} for rank in spans]
 
 
 def check_blocking_sends(schedule: list[list[Step]], fused: bool = True) -> None:
@@ -282,18 +258,29 @@ def simulate(
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
     p, v = len(schedule), chunks
-    ptr, t = [0] * p, [0.0] * p
-    spans: list[list] = [[] for _ in range(p)]
+    _, spans, t = _run(schedule, {"F": t_f / v, "B": t_b / v}, t_comm)
+    spans = [[span[:5] for span in rank] for rank in spans]
+    makespan = max(t) if p else 0.0
+    busy = sum(e - s for rank in spans for (s, e, *_) in rank)
+    return SimResult(spans, makespan, 1.0 - busy / (p * makespan) if makespan > 0 else 0.0)
+
+
+def _run(schedule: list[list[Step]], dur: dict, t_comm: float) -> tuple[dict, list[list[tuple]], list]:
+    """Run the lists: each rank goes on until it needs a message not yet sent. Returns when each
+    message arrives (sent + t_comm), each rank's compute spans (start, end, kind, mb, chunk, step
+    index) and each rank's end time. A full pass in which no rank moves is a deadlock."""
+    p = len(schedule)
+    ptr, t = [0] * p, [0] * p
+    spans: list[list[tuple]] = [[] for _ in range(p)]
     arrive: dict[tuple[str, int, int], float] = {}
-    dur = {"F": t_f / v, "B": t_b / v}
-    while True:
-        moved = done = False
+    while any(ptr[r] < len(schedule[r]) for r in range(p)):
+        moved = False
         for r in range(p):
             steps, i, now = schedule[r], ptr[r], t[r]
             while i < len(steps):
                 s = steps[i]
                 if s.kind in dur:
-                    spans[r].append((now, now + dur[s.kind], s.kind, s.mb, s.chunk))
+                    spans[r].append((now, now + dur[s.kind], s.kind, s.mb, s.chunk, i))
                     now += dur[s.kind]
                 elif s.kind[0] == "S":
                     arrive[_message(r, s, p)] = now + t_comm
@@ -305,9 +292,6 @@ def simulate(
                 i += 1
             moved |= i != ptr[r]
             ptr[r], t[r] = i, now
-        done = all(ptr[r] == len(schedule[r]) for r in range(p))
-        if done:
-            break
         if not moved:
             stuck = ", ".join(
                 f"rank {r} at step {ptr[r]} {schedule[r][ptr[r]]!r}"
@@ -315,6 +299,4 @@ def simulate(
                 if ptr[r] < len(schedule[r])
             )
             raise ScheduleError(f"deadlock: every unfinished rank waits for a message never sent: {stuck}")
-    makespan = max(t) if p else 0.0
-    busy = sum(e - s for rank in spans for (s, e, *_) in rank)
-    return SimResult(spans, makespan, 1.0 - busy / (p * makespan) if makespan > 0 else 0.0)
+    return arrive, spans, t

@@ -225,7 +225,8 @@ class ZeroOptimizer(ZeroBase):
 
     @property
     def exposed_gather_seconds(self) -> float:
-        """Seconds this rank's work waited for parameters (the gathers' time not hidden behind compute)."""
+        """Seconds this rank's work waited for parameters (the gathers' time not hidden behind compute).
+        On a GPU, reading it waits for the GPU (`Stopwatch.seconds`): read it once, after the steps."""
         return self._gather_watch.seconds
 
     def wait_param_gather(self) -> None:

@@ -11,7 +11,7 @@ it stopped: every sample exactly once per epoch, however the run is cut.
 `best_interval(checkpoint_cost, mtbf)` is compared with the interval that minimises the expected
 wall time of the lesson's failure process (exponential failures that lose the work since the last
 checkpoint), computed exactly, in 3 fixed regimes and 5 drawn each run: it must come within 6%
-(Young's first-order interval is 1-4% long in these regimes; one off by sqrt(2) is 27-30% short).
+(Young's first-order interval is 0.7-4.1% long in these regimes; one off by sqrt(2) is 26-29% short).
 """
 
 from __future__ import annotations

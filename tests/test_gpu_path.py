@@ -311,11 +311,19 @@ def test_no_hard_coded_devices():
     ]  # fmt: skip
 
 
-def test_doctor_reports_the_gpu_path(capsys, monkeypatch):
-    from parallel_lab.__main__ import doctor, lesson_backends
+def test_doctor_reports_the_gpu_path(monkeypatch):
+    """The doctor names the GPUs, which initialises CUDA: it runs in a process of its own, so this
+    one (which forks NCCL ranks in other tests) keeps no CUDA context."""
+    import subprocess
+    import sys
 
-    doctor(None)
-    out = capsys.readouterr().out
+    from parallel_lab.__main__ import lesson_backends
+
+    done = subprocess.run(
+        [sys.executable, "-m", "parallel_lab", "doctor"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     for field in ("cuda", "nccl", "gpus", "backend", "lessons"):
         assert re.search(rf"^\s*{field}\b", out, re.M), f"doctor does not report {field}:\n{out}"
     plan = {name: (sizes, chosen) for name, sizes, chosen in lesson_backends(8)}

@@ -213,7 +213,7 @@ def check_blocking_sends(schedule: list[list[Step]], fused: bool = True) -> None
     executor posts them (`p2p_batches`; `fused=False`: one message at a time, in list order).
     The rules and the model are `comms.p2p.check_blocking_sends`'s: each rank's batches run in
     posting order, and a batch completes once every message in it has its other end posted."""
-    from parallel_lab.comms.p2p import check_blocking_sends as check
+    from parallel_lab.comms import check_blocking_sends as check
 
     logs = [
         [[("send" if steps[j].kind[0] == "S" else "recv", steps[j].peer) for j in b] for b in batches]

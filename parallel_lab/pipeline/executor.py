@@ -24,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -48,10 +49,11 @@ class SendReaper:
     """Waits for posted sends on a thread, so each sent tensor is let go once delivered.
 
     A send must not block the schedule (the simulator's rule), yet its tensor has to stay
-    alive until the peer received it. (On a GPU the reaper's stream waits for the sends in the order
-    they were handed over, so a send's span can end after an earlier, slower one's.) gloo's `is_completed()` on a send stays False until
+    alive until the peer received it. gloo's `is_completed()` on a send stays False until
     `wait()`, and `wait()` blocks until the peer posts its receive, so only a thread can
-    find out in time: otherwise 1F1B would hold every sent tensor until the flush."""
+    find out in time: otherwise 1F1B would hold every sent tensor until the flush. (On a GPU
+    the reaper's stream waits for the sends in the order they were handed over, so a send's
+    span can end after an earlier, slower one's.)"""
 
     def __init__(self, device: torch.device | None = None):
         self.q: queue.SimpleQueue = queue.SimpleQueue()
@@ -132,6 +134,11 @@ class PipelineRank:
         self.schedule = full[self.r]
         plans, starts = post_plan(full)  # which messages go out together, and when (see p2p_batches)
         self.plan, self.starts = plans[self.r], starts[self.r]
+        # when the first compute at or after each step starts (a RECV's batch must be out by then)
+        upcoming, self.next_start = float("inf"), [0.0] * len(self.schedule)
+        for i in reversed(range(len(self.schedule))):
+            upcoming = self.starts.get(i, upcoming)
+            self.next_start[i] = upcoming
         self.last_vs = self.p * self.v - 1
         self.mail: dict[int, torch.Tensor] = {}  # messages to ourselves (p == 1)
 
@@ -139,25 +146,27 @@ class PipelineRank:
     def _tag(self, direction: int, mb: int, vs_recv: int) -> int:
         return (direction * self.m + mb) * (self.p * self.v) + vs_recv
 
-    def _message(self, s, tag_of) -> tuple[int, int]:
+    def _message(self, s) -> tuple[int, int]:
         """(global peer, tag) of a SEND/RECV step."""
         vs = s.chunk * self.p + self.r
         tag = {"SEND_F": (0, vs + 1), "RECV_F": (0, vs), "SEND_B": (1, vs - 1), "RECV_B": (1, vs)}[s.kind]
-        return self.pp_ranks[s.peer], tag_of(tag[0], s.mb, tag[1])
+        return self.pp_ranks[s.peer], self._tag(tag[0], s.mb, tag[1])
 
-    def _post_until(self, limit: float, box: dict, posted: dict, shape: tuple, reaper: SendReaper) -> None:
-        """Post every planned batch of time <= limit, in plan order: its sends (taken from `box`,
-        where SEND steps leave their tensors) and its receives (their Handles into `posted`).
+    def _post_until(self, limit: float, plan: deque, box: dict, posted: dict, shape: tuple,
+                    reaper: SendReaper) -> None:  # fmt: skip
+        """Post every batch of `plan` (this step's copy of the plan, consumed) of time <= limit, in
+        order: its sends (taken from `box`, where SEND steps leave their tensors) and its receives
+        (their Handles into `posted`).
 
         Both ends of every message post it in the batch of the same time, so a batch never waits
         for a peer that waits for this rank's later batch: NCCL's blocking sends cannot deadlock
         (`simulator.check_blocking_sends`)."""
-        while self.plan and self.plan[0][0] <= limit:
-            _, idx = self.plan.pop(0)
+        while plan and plan[0][0] <= limit:
+            _, idx = plan.popleft()
             sends, recvs = [], []
             for i in idx:
                 s = self.schedule[i]
-                peer, tag = self._message(s, self._tag)
+                peer, tag = self._message(s)
                 if s.kind.startswith("SEND"):
                     if i not in box:
                         raise RuntimeError(
@@ -170,10 +179,6 @@ class PipelineRank:
             for h in sh:
                 reaper.add(h)  # delivered on the reaper's thread; the tensor lives until then
             posted.update(zip((i for i in idx if self.schedule[i].kind.startswith("RECV")), rh))
-
-    def _next_start(self, i: int) -> float:
-        """When the first compute at or after step i starts on the plan's clock (end: infinity)."""
-        return next((self.starts[j] for j in range(i, len(self.schedule)) if j in self.starts), float("inf"))
 
     # -- compute -------------------------------------------------------------------
     def _compute(self, name: str, fn, target: float, **args):
@@ -205,7 +210,7 @@ class PipelineRank:
         ctx, p, r, cfg = self.ctx, self.p, self.r, self.cfg
         inputs, outputs, grads, logits, posted, reaper = {}, {}, {}, [], {}, SendReaper(ctx.device)
         box: dict[int, torch.Tensor] = {}  # step index of a SEND -> the tensor its batch will carry
-        plan = list(self.plan)
+        plan = deque(self.plan)  # this step's batches, posted in order
         loss_sum, shape = 0.0, (xs[0].shape[0], *self.act_tail)
         t_f, t_b = cfg.compute_time / self.v, 2 * cfg.compute_time / self.v
         rec = ctx.recorder
@@ -221,13 +226,13 @@ class PipelineRank:
         def recv(i: int, peer: int, tag: int) -> torch.Tensor:
             if self.pp_ranks[peer] == ctx.rank:
                 return self.mail.pop(tag).detach()
-            self._post_until(self._next_start(i), box, posted, shape, reaper)
+            self._post_until(self.next_start[i], plan, box, posted, shape, reaper)
             return posted.pop(i).wait()
 
         for i, s in enumerate(self.schedule):
             key, vs = (s.mb, s.chunk), s.chunk * p + r
             if s.kind in ("F", "B"):
-                self._post_until(self.starts[i], box, posted, shape, reaper)
+                self._post_until(self.starts[i], plan, box, posted, shape, reaper)
                 if rec.now() > idle_host:
                     rec.add_event("bubble", "bubble", idle_from, rec.mark(), step=step)
             if s.kind == "RECV_F":
@@ -262,8 +267,7 @@ class PipelineRank:
                 send(i, inputs.pop(key).grad, s.peer, self._tag(1, s.mb, vs - 1))
             if s.kind in ("F", "B"):
                 idle_from, idle_host = rec.mark(), rec.now()
-        self._post_until(float("inf"), box, posted, shape, reaper)  # the last sends
-        self.plan = plan  # the next step posts the same batches
+        self._post_until(float("inf"), plan, box, posted, shape, reaper)  # the last sends
         reaper.join()
         if p > 1:
             comms.dist_barrier(ctx, group=self.pp_group)  # the flush: the pipeline is empty

@@ -96,7 +96,8 @@ def run_from_env(
 # default, tears the process down; only where the timeout reaches Python as an error (blocking wait)
 # is it recognised here ("Watchdog caught collective operation timeout").
 _GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Failed to recv|Connection refused|"
-                   r"Socket Timeout|connection.*closed|Watchdog caught collective operation timeout",
+                   r"Socket Timeout|connection.*closed|connection to the C10d store has failed|"
+                   r"Watchdog caught collective operation timeout",
                    re.IGNORECASE)  # fmt: skip
 
 

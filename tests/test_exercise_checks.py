@@ -1,4 +1,4 @@
-"""The graders of lessons 03, 06, 07, 09, 11 and 12 reject wrong answers, and say what went wrong.
+"""The graders of lessons 03, 06, 07, 11 and 12 reject wrong answers, and say what went wrong.
 
 A check that every solution passes proves nothing unless it also fails the usual slips. Each
 test here feeds one check a right answer (the lab's own implementation, where its signature
@@ -14,15 +14,12 @@ from solution_code import solution_namespace
 from parallel_lab.grading.checks.checkpointing import check_checkpoint_sequential, check_recompute
 from parallel_lab.grading.checks.data_parallel import check_assign_buckets, check_average_gradients
 from parallel_lab.grading.checks.moe import check_top_k_router
-from parallel_lab.grading.checks.pipeline import check_bubble_fraction, check_one_f_one_b
 from parallel_lab.grading.checks.precision import check_master_weight_step, check_update_scale
 from parallel_lab.grading.checks.quantization import check_int8_matmul, check_quantize_absmax
 
 # The reference answers (the solution notebooks' code): the lab's own implementations are
 # switched off while a check runs, so a check is handed an answer written like a learner's.
 checkpoint_sequential = solution_namespace("07")["checkpoint_sequential"]
-pipeline_bubble_fraction = solution_namespace("09")["bubble_fraction"]
-order_1f1b = solution_namespace("09")["one_f_one_b"]
 assign_buckets = solution_namespace("03")["assign_buckets"]
 _q12 = solution_namespace("12")
 quantize_absmax, dequantize, int8_matmul = _q12["quantize"], _q12["dequantize"], _q12["int8_matmul"]
@@ -136,44 +133,6 @@ def test_checkpoint_sequential_check(capsys):
         )
     with pytest.raises(AssertionError):  # no checkpointing at all
         check_checkpoint_sequential(lambda blocks, segments, x: blocks(x))
-
-
-# ----------------------------------------------------------------------------- lesson 09
-def test_one_f_one_b_check(capsys):
-    check_one_f_one_b(order_1f1b)
-    assert "check_one_f_one_b passed" in capsys.readouterr().out
-    gpipe = lambda s, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    with pytest.raises(AssertionError, match="warms up with min"):
-        check_one_f_one_b(gpipe)
-
-    # a warm-up of p - s + 1 forwards before the first backward (one more than 1F1B's p - s)
-    def off_by_one(s, p, m):
-        warm = min(p - s + 1, m)
-        out = [("F", i) for i in range(warm)]
-        f, b = warm, 0
-        while b < m:
-            out.append(("B", b))
-            b += 1
-            if f < m:
-                out.append(("F", f))
-                f += 1
-        return out
-
-    with pytest.raises(AssertionError, match="first difference"):
-        check_one_f_one_b(off_by_one)
-    with pytest.raises(AssertionError, match="each step is"):
-        check_one_f_one_b(lambda s, p, m: [("X", 0)])
-
-
-def test_bubble_fraction_check(capsys):
-    check_bubble_fraction(pipeline_bubble_fraction)
-    assert "check_bubble_fraction passed" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="bubble shrinks by v"):
-        check_bubble_fraction(lambda p, m, v: (p - 1) / (m + p - 1))
-    with pytest.raises(AssertionError, match="bubble-to-compute"):
-        check_bubble_fraction(lambda p, m, v: (p - 1) / (v * m))
-    with pytest.raises(AssertionError, match="must return a number"):
-        check_bubble_fraction(lambda p, m, v: str((p - 1) / (v * m + p - 1)))
 
 
 # ----------------------------------------------------------------------------- lesson 11

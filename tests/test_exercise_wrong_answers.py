@@ -304,7 +304,7 @@ def test_hints_come_in_two_levels(lesson):
         first = re.findall(r'raise NotImplementedError\("([^"]*)"\)', cell.source)
         second = after.source.split("</summary>", 1)[1]
         for hint in first:
-            assert hint.split(": ", 1)[1] not in second, "the stub repeats the second hint"
+            assert hint.split(". Hint: ", 1)[1] not in second, "the stub repeats the second hint"
     assert not any("inspect.getsource" in c.source for c in nb.cells), (
         "the lab's answer leaks into the exercise"
     )

@@ -95,9 +95,9 @@ def test_strip_solutions_keeps_indentation_signature_and_hint(make_exercises):
     assert out == (
         "def f(x):\n"
         '    """Doc."""\n'
-        '    raise NotImplementedError("exercise 3 (f): loop over x")\n'
+        '    raise NotImplementedError("exercise 3, f(x). Hint: loop over x")\n'
         "\n"
-        'raise NotImplementedError("exercise 4: write this code")'
+        'raise NotImplementedError("exercise 4. Hint: write this code")'
     )
     compile(out, "cell", "exec")
 
@@ -118,12 +118,12 @@ def test_blocks_are_named_after_the_exercise_heading_above_them(make_exercises):
     out = make_exercises.make_exercise(nb)
     code = "".join(c.source for c in out.cells if c.cell_type == "code")
     assert [
-        line.split('"')[1].split(":")[0] for line in code.splitlines() if "NotImplementedError" in line
+        line.split('"')[1].split(". Hint:")[0] for line in code.splitlines() if "NotImplementedError" in line
     ] == [
-        "exercise 1 (Fn.forward)",
-        "exercise 2 (Fn.backward)",
-        "exercise 3 (f)",
-        "exercise 3 (g)",
+        "exercise 1, Fn.forward(x)",
+        "exercise 2, Fn.backward(x)",
+        "exercise 3, f(x)",
+        "exercise 3, g(x)",
     ]
 
 
@@ -155,7 +155,9 @@ def test_exercise_has_no_solution_no_outputs_and_same_ids(exercise, demo_solutio
     assert exercise.nbformat == 4 and exercise.nbformat_minor == 5
     text = json.dumps(exercise)
     assert "return a + b" not in text and "total += x * x" not in text and "SOLUTION" not in text
-    assert 'raise NotImplementedError(\\"exercise 1 (add): Python\'s + operator does it\\")' in text
+    assert (
+        'raise NotImplementedError(\\"exercise 1, add(a, b). Hint: Python\'s + operator does it\\")' in text
+    )
     for c in exercise.cells:
         if c.cell_type == "code":
             assert c.outputs == [] and c.execution_count is None
@@ -177,12 +179,12 @@ def test_generation_is_deterministic_and_check_mode_names_stale_files(
     assert (out / DEMO).read_bytes() == data
     ok = subprocess.run([*script, "--exercises", str(out), "--check"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    (out / DEMO).write_bytes(data.replace(b"exercise 1 (add)", b"exercise 1"))
+    (out / DEMO).write_bytes(data.replace(b"exercise 1, add(a, b)", b"exercise 1"))
     (out / "98_orphan.ipynb").write_bytes(data)
     stale = subprocess.run([*script, "--exercises", str(out), "--check"], capture_output=True, text=True)
     assert stale.returncode == 1
     assert str(out / DEMO) in stale.stderr and "98_orphan.ipynb" in stale.stderr
-    assert b"exercise 1 (add)" not in (out / DEMO).read_bytes()  # --check writes nothing
+    assert b"exercise 1, add(a, b)" not in (out / DEMO).read_bytes()  # --check writes nothing
     helptext = subprocess.run([*script, "--help"], capture_output=True, text=True).stdout
     assert "--check" in helptext
 
@@ -226,7 +228,7 @@ def test_assemble_anchors_at_the_end_when_no_cell_matches(demo_solutions):
 @pytest.mark.parametrize(
     "ename, evalue, status",
     [
-        ("NotImplementedError", "exercise 1 (add): hint", grading.TODO),
+        ("NotImplementedError", "exercise 1, add(a, b). Hint: hint", grading.TODO),
         ("RankError", "rank 1 raised NotImplementedError: exercise 2\n\n--- traceback", grading.TODO),
         ("AssertionError", "rank 0: got 3, expected 4", grading.FAIL),
         ("RankError", "rank 0 raised AssertionError: off by 1", grading.FAIL),
@@ -296,7 +298,7 @@ def test_faked_outputs_and_gutted_checks_do_not_pass(exercise, tmp_path, demo_so
     before = path.read_bytes()
     report = grading.grade(path, demo_solutions)
     assert statuses(report) == {"check_add": "not started", "check_sum_of_squares": "not started"}
-    assert report.results[0].message.startswith("exercise 1 (add)")
+    assert report.results[0].message.startswith("exercise 1, add(a, b)")
     assert path.read_bytes() == before  # grading never writes the learner's file
 
 
@@ -355,7 +357,6 @@ def test_grade_shows_the_learners_own_frames_full_messages_and_a_table(tmp_path)
     for c in nb.cells:
         if c.cell_type == "code" and "def ring_all_gather" in c.source:
             c.source = "def ring_all_gather(ctx, tensor, group=None):\n    return comms.ring_all_gather(ctx, tensor)\n"
-            pos = nb.cells.index(c) + 1
     (tmp_path / "exercises").mkdir()
     path = tmp_path / "exercises" / "01_collectives.ipynb"
     nbformat.write(nb, path)
@@ -364,7 +365,18 @@ def test_grade_shows_the_learners_own_frames_full_messages_and_a_table(tmp_path)
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
     assert "parallel_lab.comms.ring.ring_all_gather is switched off while the check runs" in out
-    assert f"cell {pos}, line 2, in ring_all_gather: return comms.ring_all_gather(ctx, tensor)" in out
+    cell = (
+        'cell [4] "def ring_all_gather(ctx, tensor, group=None):"'  # as JupyterLab numbers it after Run All
+    )
+    assert f"{cell}, line 2, in ring_all_gather: return comms.ring_all_gather(ctx, tensor)" in out
+    # the failing check cell, and the full signature of the function it grades
+    assert (
+        '--- check 2, check_ring_all_gather: failed (the check is cell [5] "check_ring_all_gather(ring_all_gather)")'
+        in out
+    )
+    assert f"it grades ring_all_gather(ctx, tensor, group=None), defined in {cell}" in out
+    assert "exercise 1, ring_all_reduce(ctx, tensor, group=None). Hint: " in out  # a stub says what to write
+    assert out.count("your code:") == 1, "an unfinished exercise shows no frame (the stub's raise is no news)"
     assert "grading/" not in out and "checks/" not in out, "no frame of the grader's own code"
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "check_" in line]
     assert [r[1:] for r in rows] == [["check_ring_all_reduce", "not", "started"],
@@ -398,3 +410,19 @@ def test_grading_something_that_is_not_the_exercise_is_one_line(tmp_path, what):
         "not json": "not a Jupyter notebook",
         "a lesson notebook": "is not the exercise notebook",
     }[what] in lines[0]
+
+
+def test_make_grade_prints_the_report_without_makes_own_error_line(tmp_path):
+    """`make grade` on a notebook that does not pass shows the report and its verdict, and no
+    `make: *** [...] Error 1` after it (the learner acts on the report, not on make)."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    path = tmp_path / "exercises" / "02_memory.ipynb"  # unfinished: its checks come from solutions/
+    path.parent.mkdir()
+    shutil.copy(REPO / "exercises" / "02_memory.ipynb", path)
+    done = subprocess.run(["make", "-s", "-C", str(REPO), "grade", f"NB={path}"], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert "NOT PASSED" in out and "make:" not in out and "Error 1" not in out, out

@@ -8,7 +8,7 @@ In a solution notebook, the body of an exercise sits between two lines
     ...the answer...
     ### END SOLUTION
 
-Each block becomes `raise NotImplementedError("exercise N (fn): hint")` at the
+Each block becomes `raise NotImplementedError("exercise N, fn(its args). Hint: hint")` at the
 block's indentation; the signature and docstring around it stay. Every output and
 execution count is cleared (exercises are stored without outputs, so no answer can
 leak through them), cell ids are copied from the solution (the grader matches check
@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
+
+from parallel_lab.grading.engine import signature
 
 BEGIN, END, HINT, HINT2 = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:", "### HINT 2:"
 # A cell with this tag (e.g. the lab's own code for an exercise) is not copied into the exercise.
@@ -105,13 +107,15 @@ def strip_solutions(source: str, first_number: int | Iterator[int], where: str) 
                 raise SolutionFormatError(f"{where}, line {lineno}: '{END}' without '{BEGIN}'")
             hints = [b.strip()[len(HINT) :].strip() for b in block if b.strip().startswith(HINT)]
             func = _enclosing_function(out, indent)
-            name = f"exercise {next(numbers)}" + (f" ({func})" if func else "")
+            # the full signature, so a grade report's "not started" line says which function to write
+            name = f"exercise {next(numbers)}" + (f", {signature(out, func) or func}" if func else "")
             hint = " ".join(h for h in hints if h) or (
                 f"write the body of {func}" if func else "write this code"
             )
             newline = "\n" if line.endswith("\n") else ""
+            message = f"{name}. Hint: {hint}"
             out.append(
-                f"{indent}raise NotImplementedError({json.dumps(name + ': ' + hint, ensure_ascii=False)}){newline}"
+                f"{indent}raise NotImplementedError({json.dumps(message, ensure_ascii=False)}){newline}"
             )
             block, n = None, n + 1
         elif block is not None:

@@ -72,7 +72,11 @@ class CheckResult:
     check: str
     status: str
     message: str = ""
-    where: list[str] = field(default_factory=list)  # the learner's own frames: "cell 4, line 12, in fn: code"
+    where: list[str] = field(
+        default_factory=list
+    )  # the learner's own frames: 'cell [4] "def f(x):", line 12, ...'
+    cell: str = ""  # the check cell as JupyterLab shows it: 'cell [9] "check_f(f)"'
+    checks: list[str] = field(default_factory=list)  # what it grades: 'f(x, y=1), defined in cell [4]'
 
 
 @dataclass
@@ -90,10 +94,19 @@ class GradeReport:
         """What a learner reads: for each check that did not pass, its whole message and where in
         their own cells it happened; then one row per check; then the verdict."""
         lines = [f"Grading {_shown(self.notebook)} (checks from {_shown(self.solution)})"]
+        if any(r.status != PASS for r in self.results):
+            lines += [
+                "cells are named by the number JupyterLab shows beside them after Kernel > Restart Kernel and Run "
+                "All Cells, and by their first line"
+            ]
         for i, r in enumerate(self.results, 1):
             if r.status == PASS:
                 continue
-            lines += ["", f"--- check {i}, {r.check}: {r.status}"]
+            lines += [
+                "",
+                f"--- check {i}, {r.check}: {r.status}" + (f" (the check is {r.cell})" if r.cell else ""),
+            ]
+            lines += [f"it grades {g}" for g in r.checks]
             lines += [r.message.strip()] if r.message.strip() else []
             if r.where:
                 lines += ["your code:", *(f"  {w}" for w in r.where)]
@@ -202,7 +215,7 @@ def classify_error(ename: str, evalue: str) -> tuple[str, str]:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_CELL_FRAME = re.compile(r"^Cell In\[(\d+)\], line (\d+)(?:, in (\S+))?", re.M)
+_CELL_FRAME = re.compile(r"^Cell In\[(\d+)\], line (\d+)(?:, in (\w+))?", re.M)  # IPython 9 adds the args
 _FILE_FRAME = re.compile(r'File "[^"]*ipykernel_\d+[/\\]\d+\.py", line (\d+), in (\S+)\n\s+(\S.*)')
 
 
@@ -211,9 +224,56 @@ def learner_cells(nb) -> list[tuple[int, Any]]:
     return [(i, c) for i, c in enumerate(nb.cells, 1) if c.cell_type == "code" and not is_check_cell(c)]
 
 
+def cell_name(cell) -> str:
+    """A cell as a learner finds it in JupyterLab: the number beside it after Restart Kernel and Run
+    All Cells (the grading run's execution count) and its first line, e.g. 'cell [7] "def f(x):"'."""
+    first = next((ln.strip() for ln in cell.source.splitlines() if ln.strip()), "")
+    first = first if len(first) <= 72 else first[:69] + "..."
+    count = cell.get("execution_count")
+    return f'cell [{count if count is not None else " "}] "{first}"'
+
+
+def signature(lines: list[str], func: str) -> str | None:
+    """`func` as its `def` line in `lines` writes it, e.g. "ring_all_reduce(ctx, t, group=None)"
+    (a method, "Class.method": the method's line); None when no such line (or it never closes)."""
+    name = func.rsplit(".", 1)[-1]
+    for i in range(len(lines) - 1, -1, -1):
+        if re.match(rf"\s*(?:async\s+)?def\s+{re.escape(name)}\s*\(", lines[i]):
+            text, depth = "", 0
+            for line in lines[i:]:  # a signature may span lines: read to the closing parenthesis
+                for ch in line.strip():
+                    text += ch
+                    depth += ch == "("
+                    depth -= ch == ")"
+                    if depth == 0 and ch == ")":
+                        args = text.split("(", 1)[1][:-1].rstrip(", ")
+                        return f"{func}({' '.join(args.split())})"
+                text += " "
+            return None
+    return None
+
+
+def graded_functions(nb, check_cell) -> list[str]:
+    """What a check cell grades, for the report: each name it passes that the learner's cells define,
+    as 'ring_all_reduce(ctx, tensor, group=None), defined in cell [4] "def ring_all_reduce(..."'."""
+    call = re.search(r"\bcheck_\w+\s*\((.*)\)", check_cell.source, re.S)
+    names = re.findall(r"(?<![\w.=])([A-Za-z_]\w*)(?=\s*[,)])", call.group(1) + ")") if call else []
+    out = []
+    for name in dict.fromkeys(names):
+        for _, cell in learner_cells(nb):
+            lines = cell.source.splitlines()
+            sig = signature(lines, name)
+            if sig is None and any(re.match(rf"class\s+{name}\b", ln) for ln in lines):
+                sig = f"class {name}"
+            if sig is not None:
+                out.append(f"{sig}, defined in {cell_name(cell)}")
+                break
+    return out
+
+
 def where_in_cells(nb, traceback_lines: list[str], message: str) -> list[str]:
     """The frames of a failure that lie in the learner's own cells, innermost last, as
-    "cell 4, line 12, in ring_all_reduce: chunks[k] += incoming". Frames come from the kernel's
+    'cell [4] "def ring_all_reduce(...)", line 12, in ring_all_reduce: chunks[k] += incoming'. Frames come from the kernel's
     traceback ("Cell In[7], line 12") and from a rank's traceback quoted in the message (a kernel
     cell's file and line; the cell is found by the line's text)."""
     mine = learner_cells(nb)
@@ -223,7 +283,11 @@ def where_in_cells(nb, traceback_lines: list[str], message: str) -> list[str]:
     def show(pos: int, cell, line: int, fn: str | None) -> None:
         lines = cell.source.splitlines()
         code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
-        entry = f"cell {pos}, line {line}" + (f", in {fn}" if fn and fn != "<module>" else "") + f": {code}"
+        entry = (
+            f"{cell_name(cell)}, line {line}"
+            + (f", in {fn}" if fn and fn != "<module>" else "")
+            + f": {code}"
+        )
         if entry not in out:
             out.append(entry)
 
@@ -245,16 +309,26 @@ def where_in_cells(nb, traceback_lines: list[str], message: str) -> list[str]:
 def _outcome(cell, cell_id: str, not_run: str, nb=None) -> CheckResult:
     found = re.search(r"\b(check_\w+)\s*\(", cell.source)
     name = found.group(1) if found else cell_id
+    lines = [ln.strip() for ln in cell.source.splitlines() if ln.strip() and not ln.startswith("#")]
+    call = next((ln for ln in lines if re.match(r"check_\w+\s*\(", ln)), lines[0] if lines else "")
+    count = cell.get("execution_count")
+    shown = f'cell [{count if count is not None else " "}] "{call}"'
+    grades = graded_functions(nb, cell) if nb is not None else []
     for out in cell.get("outputs", []):
         if out.get("output_type") == "error":
             status, message = classify_error(out.get("ename", ""), _ANSI.sub("", out.get("evalue", "")))
-            where = where_in_cells(nb, out.get("traceback", []), message) if nb is not None else []
+            # an unfinished exercise's frame is the stub's own raise: nothing to show
+            where = (
+                where_in_cells(nb, out.get("traceback", []), message)
+                if nb is not None and status != TODO
+                else []
+            )
             # the rank's raw frames were only there to find the cells: the cells say it better
             message = message.split("\n\nyour code, on rank", 1)[0] if where else message
-            return CheckResult(cell_id, name, status, message, where)
-    if cell.get("execution_count") is None:
-        return CheckResult(cell_id, name, ERROR, f"not run: {not_run}")
-    return CheckResult(cell_id, name, PASS)
+            return CheckResult(cell_id, name, status, message, where, shown, grades)
+    if count is None:
+        return CheckResult(cell_id, name, ERROR, f"not run: {not_run}", [], shown, grades)
+    return CheckResult(cell_id, name, PASS, cell=shown, checks=grades)
 
 
 def _kernel_manager_class():

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from parallel_lab.grading.checks import (
     TORCH_COLLECTIVES,
+    draw_seed,
     guarded,
     launch_learner,
     passed,
@@ -93,7 +94,7 @@ def _signature(kind: str, p: int, numel: int, itemsize: int, sent: int, where: s
 
 def _data(rank: int, numel: int, dtype: torch.dtype, device, salt: int = 0) -> torch.Tensor:
     """Small integers: any summation order gives the same bits, so answers compare exactly.
-    Drawn on the CPU (the same numbers on every machine), then put on the rank's device."""
+    Drawn on the CPU from the grade run's seed (in `salt`), then put on the rank's device."""
     g = torch.Generator().manual_seed(7919 * rank + numel + salt)
     return torch.randint(-8, 9, (numel,), generator=g).to(device=device, dtype=dtype)
 
@@ -116,12 +117,16 @@ def _compare(what: str, got, want: torch.Tensor, where: str) -> None:
         )
 
 
-def _run_cases(ctx, fn: Callable, kind: str) -> int:
-    """On every rank: run the learner's fn on each case and compare; returns the case count."""
+def _run_cases(ctx, fn: Callable, kind: str, seed: int) -> int:
+    """On every rank: run the learner's fn on each case and compare; returns the case count. The
+    numbers, and one size, are drawn from this grade run's seed: a table of one run's answers fails."""
+    import random
+
     p, r = ctx.world_size, ctx.rank
-    for numel, dtype in CASES:
+    drawn = random.Random(seed).randint(11, 999)  # one more uneven size, the same on every rank
+    for numel, dtype in (*CASES, (drawn, torch.float32)):
         where = f"world_size={p}, numel={numel}, dtype={str(dtype).replace('torch.', '')}, rank {r}"
-        x = _data(r, numel, dtype, ctx.device)
+        x = _data(r, numel, dtype, ctx.device, salt=seed)
         if kind == "ring_all_reduce":
             want = x.clone()
             dist.all_reduce(want)
@@ -131,7 +136,7 @@ def _run_cases(ctx, fn: Callable, kind: str) -> int:
             dist.all_gather(parts, x)
             want, arg = torch.stack(parts), x.clone()
         else:
-            arg = [_data(r, numel, dtype, ctx.device, salt=100 + j) for j in range(p)]
+            arg = [_data(r, numel, dtype, ctx.device, salt=seed + 100 + j) for j in range(p)]
             want = [torch.empty_like(x) for _ in range(p)]
             dist.all_to_all(want, [a.clone() for a in arg])
         before = _sent(ctx)
@@ -161,15 +166,15 @@ def _run_cases(ctx, fn: Callable, kind: str) -> int:
         _signature(
             kind, p, numel, x.element_size(), sent, where
         )  # the answer is right: was it this algorithm?
-    return len(CASES)
+    return len(CASES) + 1
 
 
 def _check(fn: Callable, kind: str, check: str) -> None:
     require_callable(fn)
-    total = 0
+    total, seed = 0, draw_seed() % 2**40
     for p in WORLD_SIZES:
         try:
-            result = launch_learner(_run_cases, p, fn, kind, timeout=30.0)
+            result = launch_learner(_run_cases, p, fn, kind, seed, timeout=30.0)
         except Exception as e:
             exc_type = getattr(e, "exc_type", None)
             if exc_type in ("AssertionError", "WriteItYourself"):  # our verdict, raised on a rank
@@ -217,7 +222,10 @@ def check_ring_bytes(fn: Callable) -> None:
     predicted, then compared with what the lab's ring sends, measured by the byte counter (exactly)."""
     require_callable(fn)
     fn = guarded(fn, FORBIDDEN, "this exercise (ring_bytes)")
-    sizes = (1, 3, 10, 1001, 4096)
+    import random
+
+    rnd = random.Random(draw_seed())
+    sizes = (1, 3, 10, 1001, 4096, rnd.randint(11, 5000), rnd.randint(5001, 100_000))  # two drawn per run
     cases = 0
     for p in (2, 3, 4):
         measured = launch_learner(_measure_ring_bytes, p, sizes, timeout=60.0).values

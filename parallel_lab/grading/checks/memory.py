@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from parallel_lab.grading.checks import family, guarded, passed, require_callable
+from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
 
 # The lab's byte accounting, switched off while the learner's function runs.
 FORBIDDEN = {**family("parallel_lab.costmodel.formulas"), **family("parallel_lab.runtime.memory_state")}
@@ -52,10 +52,14 @@ def check_memory_calculator(fn: Callable[[int, str, str], dict]) -> None:
     """
     require_callable(fn)
     fn = guarded(fn, FORBIDDEN, "this exercise (memory_calculator)")
+    import random
+
     from parallel_lab.costmodel import model_state_bytes
 
+    rnd = random.Random(draw_seed())
+    drawn = (rnd.randint(10**6, 10**12), rnd.randint(1, 10**6))  # two sizes drawn afresh every grade run
     cases = 0
-    for n in _SIZES:
+    for n in (*_SIZES, *drawn):
         for opt in _OPTIMIZERS:
             for prec in _PRECISIONS:
                 got = _call(fn, n, opt, prec)
@@ -141,12 +145,23 @@ def check_peak_memory(fn: Callable[[list], tuple]) -> None:
     cases = [
         ("empty trace", []),
         ("one tensor", [("alloc", "w", 64, "param")]),
-        ("a temporary makes the peak", [("alloc", "w", 64, "param"), ("alloc", "tmp", 100, "other"),
-                                        ("free", "tmp"), ("alloc", "g", 64, "grad")]),
-        ("the same peak twice: the first counts", [("alloc", "a", 10, "activation"), ("free", "a"),
-                                                   ("alloc", "b", 10, "comm")]),
+        (
+            "a temporary makes the peak",
+            [
+                ("alloc", "w", 64, "param"),
+                ("alloc", "tmp", 100, "other"),
+                ("free", "tmp"),
+                ("alloc", "g", 64, "grad"),
+            ],
+        ),
+        (
+            "the same peak twice: the first counts",
+            [("alloc", "a", 10, "activation"), ("free", "a"), ("alloc", "b", 10, "comm")],
+        ),
         ("zero-byte tensors", [("alloc", "e", 0, "other"), ("alloc", "w", 8, "param"), ("free", "e")]),
-    ] + [(f"random trace {s}", _events(s, 400)) for s in range(4)]  # fmt: skip
+    ] + [
+        (f"random trace {s}", _events(s, 400)) for s in (draw_seed() for _ in range(4))
+    ]  # fmt: skip  drawn per run
     for label, events in cases:
         want = _reference_peak(events)
         got = fn(list(events))

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from parallel_lab.grading.checks import (
+    draw_seed,
     family,
     guarded,
     launch_learner,
@@ -40,10 +41,10 @@ def _model() -> nn.Module:
     return m
 
 
-def _reference() -> tuple[tuple, dict[str, torch.Tensor]]:
+def _reference(seed: int = 3) -> tuple[tuple, dict[str, torch.Tensor]]:
     from parallel_lab.models import synthetic_batch
 
-    batch = synthetic_batch("tokens", BATCH, seq_len=8, vocab=25, seed=3)
+    batch = synthetic_batch("tokens", BATCH, seq_len=8, vocab=25, seed=seed)
     m = _model()
     m(*batch).backward()
     return batch, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
@@ -123,7 +124,7 @@ def _grad_rank(ctx, fn: Callable, kind: str, batch: tuple, want: dict) -> int:
 
 def _check_grads(fn: Callable, kind: str, check: str) -> None:
     require_callable(fn)
-    batch, want = _reference()
+    batch, want = _reference(draw_seed() % 2**31)  # a batch drawn afresh every grade run
     for p in WORLD_SIZES:
         try:
             launch_learner(_grad_rank, p, fn, kind, batch, want, timeout=60.0, threads=1)
@@ -186,11 +187,19 @@ def check_assign_buckets(fn: Callable) -> None:
     toy = [nn.Parameter(torch.zeros(n)) for n in (4, 2, 3, 5)]  # 16, 8, 12, 20 bytes (fp32)
     frozen = nn.Parameter(torch.zeros(10), requires_grad=False)
     toy_names = {id(p): c for p, c in zip(toy, "abcd")} | {id(frozen): "frozen"}
+    import random
+
+    rnd = random.Random(draw_seed())  # two bucket sizes and a parameter list drawn afresh every grade run
+    drawn = [nn.Parameter(torch.zeros(rnd.randint(1, 40))) for _ in range(rnd.randint(5, 9))]
+    drawn_names = {id(q): f"p{i}" for i, q in enumerate(drawn)}
     cases = [(params, names, b, "TinyGPT") for b in (10 * total, total // 2, total // 3, 3000, 1000, 64, 1)]
+    cases += [(params, names, rnd.randint(65, total), "TinyGPT") for _ in range(2)]
     cases += [
         ([toy[0], frozen, toy[1], toy[2], toy[3]], toy_names, b, "a, frozen, b, c, d")
         for b in (1, 20, 21, 36, 1e9)
     ]
+    label = ", ".join(f"p{i} ({q.numel()} elements)" for i, q in enumerate(drawn))
+    cases += [(drawn, drawn_names, rnd.randint(4, 200), label) for _ in range(2)]
     for ps, nm, b, label in cases:
         where = f"params = {label}, bucket_bytes = {b:g}"
         got = _names(guarded(fn, FORBIDDEN, "this exercise (assign_buckets)")(ps, b), nm, where)
@@ -247,7 +256,8 @@ def check_ddp_bytes(fn: Callable) -> None:
     fn = guarded(fn, {**FORBIDDEN, **family("parallel_lab.comms.cost", keep=("chunk_sizes",)), "parallel_lab.costmodel.formulas.allreduce_bytes_per_rank": ""},
                  "this exercise (ddp_bytes)")  # fmt: skip
     cases = 0
-    for p, bucket_bytes in ((2, 1 << 30), (3, 2048), (4, 600)):
+    drawn = 200 + draw_seed() % 2801  # the third run's bucket size, drawn afresh every grade run
+    for p, bucket_bytes in ((2, 1 << 30), (3, 2048), (4, drawn)):
         for r, got in enumerate(
             launch_learner(_measure_ddp_bytes, p, bucket_bytes, timeout=60.0, threads=1).values
         ):

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from parallel_lab.grading.checks import (
+    draw_seed,
     family,
     guarded,
     launch_learner,
@@ -54,14 +55,14 @@ def _fail(e: Exception, what: str, limit: float) -> None:
 
 
 # ----------------------------------------------------------------------------- ZeRO-1
-def _zero1_case(ctx, fn: Callable) -> str:
+def _zero1_case(ctx, fn: Callable, seed: int) -> str:
     from parallel_lab import comms
 
     p, r = ctx.world_size, ctx.rank
     shard_n = -(-_NUMEL // p)
     padded = shard_n * p
-    g = torch.Generator().manual_seed(0)
-    init = torch.randn(_NUMEL, generator=g)  # the same weights on every rank
+    g = torch.Generator().manual_seed(seed)  # drawn per grade run: the same weights on every rank
+    init = torch.randn(_NUMEL, generator=g)
     flat_param = torch.cat([init, torch.zeros(padded - _NUMEL)])  # (P,) padded
     flat_grad = torch.zeros(padded)
     # seeded on the CPU, then on the rank's device (the learner's collectives run there)
@@ -77,7 +78,8 @@ def _zero1_case(ctx, fn: Callable) -> str:
     )
     for step in range(_STEPS):
         grads = [
-            torch.randn(_NUMEL, generator=torch.Generator().manual_seed(100 * step + k)) for k in range(p)
+            torch.randn(_NUMEL, generator=torch.Generator().manual_seed(seed + 100 * step + k + 1))
+            for k in range(p)
         ]
         flat_grad.zero_()
         flat_grad[:_NUMEL] = grads[r]  # this rank's own gradient
@@ -131,10 +133,11 @@ def _zero1_case(ctx, fn: Callable) -> str:
 def check_zero1_step(fn: Callable) -> None:
     """`fn(ctx, flat_param, flat_grad, shard, optimizer)`: reduce-scatter, update this rank's slice, all-gather."""
     require_callable(fn)
+    seed = draw_seed() % 2**40  # weights and gradients drawn afresh every grade run
     for p in WORLD_SIZES:
         try:
             res = launch_learner(
-                guarded(_zero1_case, FORBIDDEN, "this exercise (zero1_step)"), p, fn, timeout=60.0
+                guarded(_zero1_case, FORBIDDEN, "this exercise (zero1_step)"), p, fn, seed, timeout=60.0
             )
         except NotImplementedError:
             raise
@@ -151,14 +154,14 @@ def check_zero1_step(fn: Callable) -> None:
 _DIMS = (5, 7, 6, 3)  # Linear(5, 7), Linear(7, 6), Linear(6, 3): 42, 48 and 21 parameters
 
 
-def _zero3_case(ctx, fn: Callable) -> list[float]:
+def _zero3_case(ctx, fn: Callable, seed: int) -> list[float]:
     from parallel_lab.runtime.memory import MemoryTracker
 
     p, r = ctx.world_size, ctx.rank
-    torch.manual_seed(0)
+    torch.manual_seed(seed)  # weights and input drawn afresh every grade run
     layers = [nn.Linear(a, b) for a, b in zip(_DIMS[:-1], _DIMS[1:])]
     full = nn.Sequential(layers[0], nn.GELU(), layers[1], nn.GELU(), layers[2])
-    x = torch.randn(4, _DIMS[0], generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4, _DIMS[0], generator=torch.Generator().manual_seed(seed + 1))
     with torch.no_grad():
         want = full(x)  # (4, 3) the unsharded model's output
     full.to(ctx.device)  # the layers, in place: sharded and gathered on this rank's device
@@ -226,10 +229,11 @@ def _zero3_case(ctx, fn: Callable) -> list[float]:
 def check_zero3_hooks(fn: Callable) -> None:
     """`fn(ctx, layer, shard, shapes)` registers hooks on `layer`: all-gather before forward, free after."""
     require_callable(fn)
+    seed = draw_seed() % 2**40
     for p in WORLD_SIZES:
         try:
             res = launch_learner(
-                guarded(_zero3_case, FORBIDDEN, "this exercise (zero3_hooks)"), p, fn, timeout=60.0
+                guarded(_zero3_case, FORBIDDEN, "this exercise (zero3_hooks)"), p, fn, seed, timeout=60.0
             )
         except NotImplementedError:
             raise
@@ -247,14 +251,14 @@ _SMALL = dict(
 )  # 7,280 parameters: 3 does not divide it
 
 
-def _measure_state_bytes(ctx, stage: int) -> dict:
+def _measure_state_bytes(ctx, stage: int, vocab: int) -> dict:
     """One ZeRO training step of a small GPT under the memory tracker; the model states it leaves."""
     from parallel_lab.models import GPTConfig, build_model, compute_loss, synthetic_batch
     from parallel_lab.zero import ZeRO
 
-    model = build_model(GPTConfig(**_SMALL), seed=0, device=ctx.device)
+    model = build_model(GPTConfig(**{**_SMALL, "vocab": vocab}), seed=0, device=ctx.device)
     zero = ZeRO(ctx, model, stage=stage, optimizer="adam", precision="fp32", lr=1e-2)
-    x, y = synthetic_batch("tokens", 1, seq_len=_SMALL["seq_len"], vocab=_SMALL["vocab"], seed=1 + ctx.rank,
+    x, y = synthetic_batch("tokens", 1, seq_len=_SMALL["seq_len"], vocab=vocab, seed=1 + ctx.rank,
                            device=ctx.device)  # fmt: skip
     compute_loss(model, x, y).backward()
     zero.step()
@@ -271,10 +275,16 @@ def check_zero_state_bytes(fn: Callable) -> None:
     fn = guarded(fn, {**FORBIDDEN, **family("parallel_lab.zero.meta", "parallel_lab.zero.layout")},
                  "this exercise (zero_state_bytes)")  # fmt: skip
     cases = 0
+    vocabs = {
+        2: _SMALL["vocab"],
+        3: 20 + draw_seed() % 60,
+    }  # the 3-rank model's size is drawn every grade run
     for p in (2, 3):
         for stage in range(4):
             try:
-                res = launch_learner(_measure_state_bytes, p, stage, track_memory=True, timeout=60.0)
+                res = launch_learner(
+                    _measure_state_bytes, p, stage, vocabs[p], track_memory=True, timeout=60.0
+                )
             except Exception as e:
                 _fail(e, f"stage {stage} on {p} ranks", 60.0)
             got = res.values[0]

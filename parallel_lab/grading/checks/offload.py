@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from parallel_lab.grading.checks import family, guarded, passed, require_callable
+from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
 
 FORBIDDEN = family("parallel_lab.offload.host_optimizer", "parallel_lab.offload.streaming")
 
@@ -36,9 +36,10 @@ def _case(seed: int):
 def check_offloaded_step(fn: Callable) -> None:
     """`fn(params, masters, optimizer, to_host, to_device)`: gradients down, host Adam, weights up."""
     require_callable(fn)
-    params, masters, g = _case(0)
+    seed = draw_seed()  # weights and gradients drawn afresh every grade run
+    params, masters, g = _case(seed)
     opt = torch.optim.Adam(masters, lr=0.05)
-    _, ref_masters, _ = _case(0)
+    _, ref_masters, _ = _case(seed)
     ref_opt = torch.optim.Adam(ref_masters, lr=0.05)
     moved = {"d2h": 0, "h2d": 0}
 
@@ -103,14 +104,14 @@ _SMALL = dict(
 )  # 7,280 parameters: 3 does not divide it
 
 
-def _measure_offload(ctx) -> dict:
+def _measure_offload(ctx, vocab: int) -> dict:
     """One ZeRO-Offload step (mixed precision) of a small GPT: bytes that crossed, bytes the host holds."""
     from parallel_lab.models import GPTConfig, build_model, compute_loss, synthetic_batch
     from parallel_lab.offload import ZeroOffload
 
-    model = build_model(GPTConfig(**_SMALL), seed=0, device=ctx.device)
+    model = build_model(GPTConfig(**{**_SMALL, "vocab": vocab}), seed=0, device=ctx.device)
     zero = ZeroOffload(ctx, model, optimizer="adam", precision="mixed", lr=1e-2)
-    x, y = synthetic_batch("tokens", 1, seq_len=_SMALL["seq_len"], vocab=_SMALL["vocab"], seed=1 + ctx.rank,
+    x, y = synthetic_batch("tokens", 1, seq_len=_SMALL["seq_len"], vocab=vocab, seed=1 + ctx.rank,
                            device=ctx.device)  # fmt: skip
     compute_loss(model, x, y).backward()
     zero.step()
@@ -129,8 +130,15 @@ def check_offload_bytes(fn: Callable) -> None:
     from parallel_lab.runtime.launch import launch
 
     cases = 0
+    vocabs = {
+        1: _SMALL["vocab"],
+        2: _SMALL["vocab"],
+        3: 20 + draw_seed() % 60,
+    }  # 3 ranks: a size drawn per run
     for p in (1, 2, 3):
-        for r, got in enumerate(launch(_measure_offload, p, track_memory=True, timeout=60.0).values):
+        for r, got in enumerate(
+            launch(_measure_offload, p, vocabs[p], track_memory=True, timeout=60.0).values
+        ):
             said = fn(got["numel"], p)
             where = f"numel={got['numel']:,}, world_size={p}, rank {r}"
             assert isinstance(said, dict) and all(k in said for k in ("d2h", "h2d", "host")), (

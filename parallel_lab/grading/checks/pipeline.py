@@ -76,7 +76,7 @@ def _capped_1f1b(stage: int, stages: int, microbatches: int, cap: int) -> list:
 def _gpipe_bubble(stages: int, microbatches: int, t_f: float, t_b: float, t_comm: float) -> float:
     """GPipe's idle share when each message arrives t_comm after its send (sends do not block).
 
-    The first micro-batch's forward reaches the last stage after p·t_f + (p-1)·t_comm; from then on
+    The first micro-batch's forward finishes on the last stage at p·t_f + (p-1)·t_comm; from then on
     every stage's messages arrive as fast as it works through them, so no stage waits again in that
     direction. The last stage runs its m backwards right after its m forwards, and the gradients
     cross the p - 1 links back the same way: stage 0 ends (m+p-1)(t_f+t_b) + 2(p-1)·t_comm after
@@ -99,20 +99,24 @@ def _as_steps(got, where: str):
 
     if not isinstance(got, (list, tuple)):
         raise AssertionError(f"{where}: return a list of steps, got {type(got).__name__}")
+    import operator
+
     out = []
     for i, s in enumerate(got):
         if isinstance(s, Step):
             s = (s.kind, s.mb)
         ok = (
-            isinstance(s, (tuple, list))
-            and len(s) == 2
-            and s[0] in ("F", "B")
-            and isinstance(s[1], int)
-            and not isinstance(s[1], bool)
+            isinstance(s, (tuple, list)) and len(s) == 2 and s[0] in ("F", "B") and not isinstance(s[1], bool)
         )
-        if not ok:
-            raise AssertionError(f"{where}: item {i} is {s!r}; each step is ('F', mb) or ('B', mb)")
-        out.append(Step(s[0], s[1]))
+        try:  # any integer type (a numpy or tensor int too) is a micro-batch number
+            mb = operator.index(s[1]) if ok else None
+        except TypeError:
+            mb = None
+        if mb is None:
+            raise AssertionError(
+                f"{where}: item {i} is {s!r}; each step is ('F', mb) or ('B', mb) with mb an integer"
+            )
+        out.append(Step(s[0], mb))
     return out
 
 

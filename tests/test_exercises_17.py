@@ -1,83 +1,305 @@
-"""Lesson 17's exercises: the reference solution passes, and wrappers of the lab's and torch's
-functions, answer tables from an earlier grade run and wrong algorithms fail, each with a message
-naming what differed."""
+"""Lesson 17's exercises: the reference solution passes; wrappers of the lab's and torch's functions,
+answer tables from an earlier grade run and wrong algorithms fail, each with a message naming what
+differed; the optimum the balancing check compares with is the best of every pairing."""
 
 from __future__ import annotations
 
+import random
 import re
 from pathlib import Path
 
 import pytest
 from solution_code import _check_cell, edit, run_check, solution_namespace
 
+HEAD = "import torch\ndef merge_running(acc_a, m_a, l_a, acc_b, m_b, l_b):\n    m = torch.maximum(m_a, m_b)\n"
 WRONG = [
-    ("17", "check_merge_partials", "no max subtraction",
-     "import torch\ndef merge(out_a, lse_a, out_b, lse_b):\n    wa, wb = torch.exp(lse_a), torch.exp(lse_b)\n    return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None], torch.log(wa + wb)\n", "inf or nan"),
-    ("17", "check_merge_partials", "outputs averaged, not rescaled", edit("17", "merge", "return out_a * share_a + out_b * share_b, lse", "return (out_a + out_b) / 2, lse"), "out differs"),
-    ("17", "check_merge_partials", "log-sum-exp not merged", edit("17", "merge", "lse = top + torch.log(wa + wb)", "lse = top"), "lse differs"),
-    ("17", "check_merge_partials", "wraps the lab's", "from parallel_lab.inference import merge_attention\ndef merge(a, la, b, lb):\n    return merge_attention(a, la, b, lb)\n", "switched off"),
-    ("17", "check_zigzag_positions", "late chunk first", edit("17", "zigzag_positions", "return list(range(early * c, (early + 1) * c)) + list(range(late * c, (late + 1) * c))", "return list(range(late * c, (late + 1) * c)) + list(range(early * c, (early + 1) * c))"), "wrong order"),
-    ("17", "check_zigzag_positions", "partner N + r", edit("17", "zigzag_positions", "early, late = rank, chunks - 1 - rank", "early, late = rank, world_size + rank"), "the partner that balances"),
-    ("17", "check_zigzag_positions", "contiguous", edit("17", "zigzag_positions", "early, late = rank, chunks - 1 - rank", "early, late = 2 * rank, 2 * rank + 1"), "expected chunks"),
-    ("17", "check_zigzag_positions", "accepts a length that cannot split", edit("17", "zigzag_positions", "if seq_len % chunks:", "if False:"), "instead of raising ValueError"),
-    ("17", "check_merge_partials", "torch's private merger", "from torch.distributed.tensor.experimental._context_parallel._attention import _SDPAMerger\ndef merge(a, la, b, lb):\n    m = _SDPAMerger(True, seq_dim=2)\n    m.step(a, la, False)\n    m.step(b, lb, False)\n    return m.results()\n", "switched off"),
-    ("17", "check_zigzag_positions", "torch's private load balancer", "from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer\ndef zigzag_positions(rank, world_size, seq_len):\n    idx = _HeadTailLoadBalancer(seq_len, world_size, 'cpu')._generate_indices()\n    return idx[0].reshape(world_size, -1)[rank].tolist()\n", "switched off"),
-    ("17", "check_zigzag_positions", "wraps the lab's", "from parallel_lab.context_parallel import positions\ndef zigzag_positions(rank, world_size, seq_len):\n    return positions(rank, world_size, seq_len, zigzag=True)\n", "switched off"),
+    # ---- exercise 1: merge_running
+    ("check_merge_running", "no rescaling", HEAD + "    return acc_a + acc_b, m, l_a + l_b\n",
+     "added the two parts' acc and l as they came"),
+    ("check_merge_running", "rescales acc but not l",
+     edit("17", "merge_running", "l = wa * l_a + wb * l_b", "l = l_a + l_b"), "acc is right, l is not"),
+    ("check_merge_running", "lse-style weights on the unnormalised acc (double normalisation)",
+     HEAD + "    lse_a, lse_b = m_a + torch.log(l_a), m_b + torch.log(l_b)\n    lse = torch.logaddexp(lse_a, lse_b)\n"
+     "    sa, sb = torch.exp(lse_a - lse), torch.exp(lse_b - lse)\n"
+     "    return sa[..., None] * acc_a + sb[..., None] * acc_b, m, torch.exp(lse - m)\n",
+     "normalises it a second time"),
+    ("check_merge_running", "returns normalised attention as acc",
+     edit("17", "merge_running", "return acc, m, l", "return acc / l.unsqueeze(-1), m, l"), "already normalised"),
+    ("check_merge_running", "nan on a fully masked block",
+     edit("17", "merge_running", "ref = torch.where(torch.isinf(m), torch.zeros_like(m), m)", "ref = m"),
+     "exp(-inf - (-inf)) is nan"),
+    ("check_merge_running", "exponentiates the maxima themselves",
+     edit("17", "merge_running", "wa, wb = torch.exp(m_a - ref), torch.exp(m_b - ref)",
+          "wa, wb = torch.exp(m_a) / torch.exp(ref), torch.exp(m_b) / torch.exp(ref)"), "overflows float32"),
+    ("check_merge_running", "keeps the first part's maximum",
+     edit("17", "merge_running", "m = torch.maximum(m_a, m_b)", "m = torch.where(torch.isinf(m_a), m_b, m_a)"),
+     "m differs from the running maximum"),
+    ("check_merge_running", "wraps the lab's merge_attention",
+     "import torch\nfrom parallel_lab.inference import merge_attention\n"
+     "def merge_running(acc_a, m_a, l_a, acc_b, m_b, l_b):\n"
+     "    out, lse = merge_attention(acc_a / l_a[..., None], m_a + torch.log(l_a), acc_b / l_b[..., None], m_b + torch.log(l_b))\n"
+     "    m = torch.maximum(m_a, m_b)\n    l = torch.exp(lse - m)\n    return out * l[..., None], m, l\n",
+     "switched off"),
+    ("check_merge_running", "torch's private merger",
+     "import torch\nfrom torch.distributed.tensor.experimental._context_parallel._attention import _SDPAMerger\n"
+     "def merge_running(acc_a, m_a, l_a, acc_b, m_b, l_b):\n    mg = _SDPAMerger(True, seq_dim=2)\n"
+     "    mg.step(acc_a / l_a[..., None], m_a + torch.log(l_a), False)\n"
+     "    mg.step(acc_b / l_b[..., None], m_b + torch.log(l_b), False)\n    out, lse = mg.results()\n"
+     "    m = torch.maximum(m_a, m_b)\n    l = torch.exp(lse - m)\n    return out * l[..., None], m, l\n",
+     "switched off"),
+    ("check_merge_running", "torch's public attention",
+     "import torch\nimport torch.nn.functional as F\n"
+     "def merge_running(acc_a, m_a, l_a, acc_b, m_b, l_b):\n"
+     "    F.scaled_dot_product_attention(acc_a, acc_b, acc_b)\n    return acc_a, m_a, l_a\n",
+     "switched off"),
+    ("check_merge_running", "reads the check's own helpers",
+     "from parallel_lab.grading.checks.long_sequences import _named_mistakes\n"
+     "def merge_running(acc_a, m_a, l_a, acc_b, m_b, l_b):\n"
+     "    acc, l = _named_mistakes((acc_a, m_a, l_a), (acc_b, m_b, l_b))['acc only'][0], None\n"
+     "    return acc, m_a, l_a\n", "switched off"),
+    # ---- exercise 2: balanced_chunks
+    ("check_balanced_chunks", "the causal zigzag",
+     edit("17", "balanced_chunks", "return [(order[i], order[chunks - 1 - i]) for i in range(world_size)]",
+          "return [(r, chunks - 1 - r) for r in range(world_size)]"), "causal zigzag"),
+    ("check_balanced_chunks", "work counted as if causal over the whole sequence",
+     edit("17", "balanced_chunks", "for n in doc_lens:\n        seen.extend(range(1, n + 1))",
+          "seen.extend(range(1, seq_len + 1))"), "causal zigzag"),
+    ("check_balanced_chunks", "contiguous chunks",
+     edit("17", "balanced_chunks", "return [(order[i], order[chunks - 1 - i]) for i in range(world_size)]",
+          "return [(2 * r, 2 * r + 1) for r in range(world_size)]"), "two neighbouring chunks"),
+    ("check_balanced_chunks", "pairs by position, not by work",
+     edit("17", "balanced_chunks", "return [(order[i], order[chunks - 1 - i]) for i in range(world_size)]",
+          "return [(r, world_size + r) for r in range(world_size)]"), "follows the chunks' positions"),
+    ("check_balanced_chunks", "pairs heavy with heavy",
+     edit("17", "balanced_chunks", "return [(order[i], order[chunks - 1 - i]) for i in range(world_size)]",
+          "return [(order[2 * i], order[2 * i + 1]) for i in range(world_size)]"),
+     "the two chunks with the most visible pairs"),
+    ("check_balanced_chunks", "counts only the keys inside the chunk",
+     edit("17", "balanced_chunks", "for n in doc_lens:\n        seen.extend(range(1, n + 1))",
+          "starts = {sum(doc_lens[:i]) for i in range(len(doc_lens))}\n"
+          "    for p in range(seq_len):\n"
+          "        seen.append(1 if p in starts or p % c == 0 else seen[-1] + 1)"),
+     "the best pairing's heaviest rank sees"),
+    ("check_balanced_chunks", "a chunk held twice",
+     edit("17", "balanced_chunks", "return [(order[i], order[chunks - 1 - i]) for i in range(world_size)]",
+          "return [(order[0], order[-1])] * world_size"), "held twice"),
+    ("check_balanced_chunks", "accepts documents that do not fill the sequence",
+     edit("17", "balanced_chunks", "if sum(doc_lens) != seq_len:", "if False:"), "instead of raising ValueError"),
+    ("check_balanced_chunks", "accepts a length that cannot split",
+     edit("17", "balanced_chunks", "if seq_len % chunks:", "if False:"), "instead of raising ValueError"),
+    ("check_balanced_chunks", "reads the check's own helpers",
+     "from parallel_lab.grading.checks.long_sequences import _chunk_work\n"
+     "def balanced_chunks(world_size, seq_len, doc_lens):\n"
+     "    work = _chunk_work(2 * world_size, seq_len, doc_lens)\n"
+     "    order = sorted(range(2 * world_size), key=work.__getitem__)\n"
+     "    return [(order[i], order[-1 - i]) for i in range(world_size)]\n", "switched off"),
+    ("check_balanced_chunks", "wraps the lab's layout",
+     "from parallel_lab.context_parallel import chunk_ids\ndef balanced_chunks(world_size, seq_len, doc_lens):\n"
+     "    return [chunk_ids(r, world_size, zigzag=True) for r in range(world_size)]\n", "switched off"),
+    ("check_balanced_chunks", "torch's private work-based balancer",
+     "import torch\nfrom torch.distributed.tensor.experimental._context_parallel._load_balancer import _PTRRLoadBalancer\n"
+     "def balanced_chunks(world_size, seq_len, doc_lens):\n"
+     "    c = seq_len // (2 * world_size)\n"
+     "    seen = [t + 1 for n in doc_lens for t in range(n)]\n"
+     "    work = torch.tensor([sum(seen[i * c:(i + 1) * c]) for i in range(2 * world_size)])\n"
+     "    return _PTRRLoadBalancer.ptrr_scheduling(work, world_size).tolist()\n", "switched off"),
+    ("check_balanced_chunks", "torch's private per-document zigzag",
+     "from torch.distributed.tensor.experimental._context_parallel._load_balancer import _PerDocumentHeadTailLoadBalancer\n"
+     "def balanced_chunks(world_size, seq_len, doc_lens):\n"
+     "    idx = _PerDocumentHeadTailLoadBalancer([doc_lens], world_size, 'cpu')._generate_indices()\n"
+     "    return [(r, 2 * world_size - 1 - r) for r in range(world_size)]\n", "switched off"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("check", "label", "source", "want"), [w[1:] for w in WRONG], ids=[w[2] for w in WRONG]
-)
+@pytest.mark.parametrize("check", ["check_merge_running", "check_balanced_chunks"])
+def test_the_solution_passes_with_one_line(check, capsys):
+    run_check("17", check)
+    out, err = capsys.readouterr()
+    lines = [ln for ln in out.splitlines() if ln.startswith("check_")]
+    assert lines == [lines[0]] and lines[0].startswith(f"{check} passed") and not err
+
+
+@pytest.mark.parametrize(("check", "label", "source", "want"), WRONG, ids=[w[1] for w in WRONG])
 def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
     with pytest.raises(AssertionError) as info:
         run_check("17", check, source)
     assert want in str(info.value), f"{label}: {info.value}"
 
 
-# ----------------------------------------------------------------------------- cases drawn at grade time
-def test_a_table_of_one_grade_runs_answers_fails_the_next():
-    """A learner who logs the cases of one grade run and answers from that table passes the fixed
-    cases but not the ones drawn the next run."""
-    ns = solution_namespace("17")
-    real, table = ns["zigzag_positions"], {}
+# ----------------------------------------------------------------------------- the optimum is the optimum
+def _pairings(items):
+    if not items:
+        yield []
+        return
+    for i in range(1, len(items)):
+        for rest in _pairings(items[1:i] + items[i + 1 :]):
+            yield [(items[0], items[i]), *rest]
 
-    def logging(rank, world_size, seq_len):
-        table[rank, world_size, seq_len] = out = real(rank, world_size, seq_len)
+
+def test_the_sorted_pairing_is_the_best_of_every_pairing():
+    """The check's optimum (sort, pair the largest with the smallest) against all pairings, on packings
+    like the check's and on weights with many ties, for 1 to 5 ranks."""
+    from parallel_lab.grading.checks.long_sequences import _chunk_work, _optimum
+
+    rnd = random.Random(0)
+    for trial in range(600):
+        n = rnd.randint(1, 5)
+        if trial % 2:
+            work = [rnd.randint(0, 6) for _ in range(2 * n)]
+        else:
+            c = rnd.randint(1, 9)
+            docs, left = [], 2 * n * c
+            while left:
+                docs.append(min(left, rnd.randint(1, 3 * c)))
+                left -= docs[-1]
+            work = _chunk_work(2 * n, 2 * n * c, docs)
+        best = min(max(work[a] + work[b] for a, b in p) for p in _pairings(list(range(2 * n))))
+        assert _optimum(work) == best, work
+
+
+def test_chunk_work_counts_the_document_mask():
+    """Visible pairs per chunk, counted from an explicit mask matrix."""
+    import torch
+
+    from parallel_lab.grading.checks.long_sequences import _chunk_work
+
+    rnd = random.Random(1)
+    for _ in range(50):
+        chunks, c = 2 * rnd.randint(1, 4), rnd.randint(1, 6)
+        length, docs = chunks * c, []
+        while sum(docs) < length:
+            docs.append(min(length - sum(docs), rnd.randint(1, 2 * c)))
+        doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+        pos = torch.arange(length)
+        mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])  # (query, key)
+        want = mask.sum(dim=1).reshape(chunks, c).sum(dim=1).tolist()
+        assert _chunk_work(chunks, length, docs) == want
+
+
+def test_every_drawn_packing_defeats_the_rules_by_position():
+    from parallel_lab.grading.checks.long_sequences import (
+        _chunk_work,
+        _draw_packing,
+        _heaviest,
+        _optimum,
+        _position_pairings,
+    )
+
+    rnd = random.Random(2)
+    for _ in range(200):
+        n, length, docs = _draw_packing(rnd)
+        assert sum(docs) == length and length % (2 * n) == 0
+        work = _chunk_work(2 * n, length, docs)
+        assert all(_heaviest(p, work) > _optimum(work) for p in _position_pairings(n, work).values())
+
+
+# ----------------------------------------------------------------------------- cases drawn at grade time
+def _run(ns: dict, check: str) -> None:
+    exec(compile(_check_cell("17", check), "<check>", "exec"), ns)  # noqa: S102
+
+
+def test_a_table_of_one_grade_runs_merges_fails_the_next():
+    """A learner who logs the inputs and answers of one grade run and answers from that table fails
+    the next run, whose shapes, values and masks are drawn again."""
+    ns = solution_namespace("17")
+    real, table = ns["merge_running"], {}
+
+    def key(*ts):
+        return tuple(t.numpy().tobytes() for t in ts)
+
+    def logging(*args):
+        table[key(*args)] = out = real(*args)
         return out
 
-    ns["zigzag_positions"] = logging
-    exec(compile(_check_cell("17", "check_zigzag_positions"), "<check>", "exec"), ns)  # noqa: S102
-    assert len(table) > 36
+    ns["merge_running"] = logging
+    _run(ns, "check_merge_running")
+    assert len(table) > 10
 
-    def from_the_table(rank, world_size, seq_len):
-        if seq_len % (2 * world_size):
+    def from_the_table(*args):
+        return table.get(key(*args), args[:3])
+
+    ns["merge_running"] = from_the_table
+    with pytest.raises(AssertionError, match="merge_running"):
+        _run(ns, "check_merge_running")
+
+
+def test_a_table_of_one_grade_runs_pairings_fails_the_next():
+    ns = solution_namespace("17")
+    real, table = ns["balanced_chunks"], {}
+
+    def logging(world_size, seq_len, doc_lens):
+        table[world_size, seq_len, tuple(doc_lens)] = out = real(world_size, seq_len, doc_lens)
+        return out
+
+    ns["balanced_chunks"] = logging
+    _run(ns, "check_balanced_chunks")
+    assert len(table) >= 20  # 7 fixed and 16 drawn packings (two drawn alike would share a row)
+
+    def from_the_table(world_size, seq_len, doc_lens):
+        if seq_len % (2 * world_size) or sum(doc_lens) != seq_len:
             raise ValueError("cannot split")
-        return table.get((rank, world_size, seq_len), [])
+        zigzag = [(r, 2 * world_size - 1 - r) for r in range(world_size)]
+        return table.get((world_size, seq_len, tuple(doc_lens)), zigzag)
 
-    ns["zigzag_positions"] = from_the_table
-    with pytest.raises(AssertionError, match="returned"):
-        exec(compile(_check_cell("17", "check_zigzag_positions"), "<check>", "exec"), ns)  # noqa: S102
+    ns["balanced_chunks"] = from_the_table
+    with pytest.raises(AssertionError, match="the best pairing's heaviest rank sees"):
+        _run(ns, "check_balanced_chunks")
+
+
+# ----------------------------------------------------------------------------- torch's own versions
+# The search reads torch's source for the names of functions and classes that balance a sequence over
+# ranks or merge partial softmax results. Two kinds it finds cannot run on a learner's tensors and are
+# not switched off: device kernels (decorated with a JIT, e.g. @triton.jit, @cute.jit: they run inside
+# a compiled kernel, and raise when called from Python) and inductor's code generators (methods
+# that write a kernel's source text).
+JOB = re.compile(
+    r"^[ \t]*(?:class|def) (_?\w*(?:LoadBalanc|load_balanc|Merger|merge_att|merge_lse|lse_merge|combine_lse"
+    r"|online_softmax|softmax_merge|softmax_combine|partial_update|zigzag|head_tail|ptrr)\w*)",
+    re.M | re.I,
+)
+
+
+def _decorators(lines: list[str], at: int) -> list[str]:
+    out, i = [], at - 1
+    while i >= 0 and (lines[i].strip().startswith(("@", "#")) or not lines[i].strip()):
+        if lines[i].strip().startswith("@"):
+            out.append(lines[i].strip())
+        i -= 1
+    return out
 
 
 def test_torchs_own_versions_of_an_exercise_are_switched_off():
-    """torch's modules that do an exercise's job (found by name in torch's source) are all in the
-    checks' switched-off list: a new torch that adds one fails here, not in a learner's notebook."""
+    """torch's functions that do an exercise's job (found by name in torch's source) are all in the
+    checks' switched-off lists: a new torch that adds one fails here, not in a learner's notebook."""
     import torch
 
     from parallel_lab.grading.checks import long_sequences
 
-    root = Path(torch.__file__).parent / "distributed"
-    job = re.compile(r"^(?:class|def) (_?\w*(?:LoadBalancer|Merger)\b|_?\w*(?:zigzag|head_tail|partial_update)\w*)",
-                     re.M | re.I)  # fmt: skip
-    found = {}
+    root = Path(torch.__file__).parent
+    off = {**long_sequences.MERGE_FORBIDDEN, **long_sequences.BALANCE_FORBIDDEN}
+    found, kernels = {}, []
     for f in root.rglob("*.py"):
-        for name in job.findall(f.read_text(encoding="utf-8", errors="ignore")):
-            module = ".".join(f.relative_to(root.parent.parent).with_suffix("").parts)
+        text = f.read_text(encoding="utf-8", errors="ignore")
+        if not JOB.search(text):
+            continue
+        module = ".".join(f.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        lines = text.splitlines()
+        for match in JOB.finditer(text):
+            name, at = match.group(1), text.count("\n", 0, match.start())
+            if any(".jit" in d for d in _decorators(lines, at)) or module.startswith(
+                "torch._inductor.codegen."
+            ):
+                kernels.append(f"{module}.{name}")
+                continue
             found.setdefault(module, []).append(name)
-    assert found, "the search finds nothing: torch's layout changed"
-    covered = {k.rsplit(".", 2)[0] for k in long_sequences.TORCH_CP} | {
-        k.rsplit(".", 1)[0] for k in long_sequences.TORCH_CP
+    assert "torch.distributed.tensor.experimental._context_parallel._load_balancer" in found, (
+        "the search finds nothing: torch's layout changed"
+    )
+    missing = {
+        m: [n for n in names if not any(k.startswith(m + ".") and n in k.split(".") for k in off)]
+        for m, names in found.items()
     }
-    missing = {m: names for m, names in found.items() if m not in covered}
-    assert not missing, f"torch modules doing an exercise's job, not switched off: {missing}"
+    missing = {m: names for m, names in missing.items() if names}
+    assert not missing, f"torch functions doing an exercise's job, not switched off: {missing}"
+    # the kernels left on really are kernels: none of them can be called on a tensor from Python
+    assert all(".runtime." in k or "._vendor." in k or ".codegen." in k for k in kernels), kernels

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from parallel_lab.grading.checks import family, guarded, passed, require_callable
+from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
 
 # The lab's loss scaler and mixed-precision optimizer, and torch's GradScaler, switched off
 # while the learner's function runs.
@@ -32,7 +32,7 @@ def check_update_scale(fn: Callable[..., tuple[float, int]]) -> None:
     compared step by step with `torch._amp_update_scale_`, the kernel `torch.amp.GradScaler.update` runs."""
     require_callable(fn)
     fn = guarded(fn, FORBIDDEN, "this exercise (update_scale)")
-    rng = random.Random(6)
+    rng = random.Random(draw_seed())  # overflow patterns drawn afresh every grade run
     steps = 0
     for init, growth, backoff, interval in _SETTINGS:
         scale_t = torch.full((), init, dtype=torch.float32)
@@ -82,8 +82,8 @@ def _reference(params, masters, optimizer, scale) -> bool:
     return True
 
 
-def _setup(dtype, opt_name: str, lr: float):
-    g = torch.Generator().manual_seed(0)
+def _setup(dtype, opt_name: str, lr: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
     shapes = [(4, 3), (5,)]
     fp32 = [torch.ones(s) + 0.01 * torch.randn(s, generator=g) for s in shapes]
     params = [torch.nn.Parameter(t.to(dtype)) for t in fp32]
@@ -102,17 +102,19 @@ def check_master_weight_step(fn: Callable[..., bool]) -> None:
     """
     require_callable(fn)
     fn = guarded(fn, FORBIDDEN, "this exercise (master_weight_step)")
-    cases = 0
+    cases, rnd = 0, random.Random(draw_seed())  # weights and overflow steps drawn afresh every grade run
     for dtype, opt_name, lr in (
         (torch.float16, "sgd", 1e-3),
         (torch.float16, "adam", 1e-4),
         (torch.bfloat16, "sgd", 1e-3),
     ):
         name = str(dtype).replace("torch.", "")
-        mine, ref = _setup(dtype, opt_name, lr), _setup(dtype, opt_name, lr)
+        seed = rnd.getrandbits(62)
+        mine, ref = _setup(dtype, opt_name, lr, seed), _setup(dtype, opt_name, lr, seed)
         scale = 1024.0
+        skipped = set(rnd.sample(range(1, 59), 2))
         for step in range(60):
-            overflow = step in (7, 31)
+            overflow = step in skipped
             grads = [torch.full_like(p, 0.01, dtype=torch.float32) * (1 + k) for k, p in enumerate(mine[0])]
             for params, _, _ in (mine, ref):
                 for p, gr in zip(params, grads):
@@ -170,6 +172,8 @@ def check_smallest_update(fn: Callable[[float, str], float]) -> None:
     fn = guarded(fn, FORBIDDEN, "this exercise (smallest_update)")
     cases = [(1.0, "fp16"), (1.0, "bf16"), (3.0, "fp16"), (0.1, "fp16"), (2.0, "fp16"), (1000.0, "bf16"),
              (0.75, "bf16"), (60000.0, "fp16")]  # fmt: skip
+    rnd = random.Random(draw_seed())  # and two weights drawn afresh every grade run
+    cases += [(round(rnd.uniform(0.01, 50000.0), 4), "fp16"), (round(10 ** rnd.uniform(-3, 6), 4), "bf16")]
     for weight, name in cases:
         measured = _smallest_surviving(weight, _DTYPES[name])
         said = fn(weight, name)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from parallel_lab.grading.checks import family, passed, require_callable, unavailable
+from parallel_lab.grading.checks import draw_seed, family, passed, require_callable, unavailable
 
 # The lab's recomputation and torch's, switched off while the learner's code runs.
 FORBIDDEN = {
@@ -80,8 +80,9 @@ def check_recompute(Function: type) -> None:
     require_callable(getattr(Function, "apply", None), "Function.apply")
     from parallel_lab.checkpointing import SavedTensorCounter, linear_stack
 
-    torch.manual_seed(0)
-    block = linear_stack(layers=1, linears=5, hidden=16, seed=7)
+    seed = draw_seed() % 2**31  # weights and data drawn afresh every grade run
+    torch.manual_seed(seed)
+    block = linear_stack(layers=1, linears=5, hidden=16, seed=seed + 1)
     ref = copy.deepcopy(block)
     x = torch.randn(6, 16, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
@@ -121,13 +122,17 @@ def check_checkpoint_sequential(fn: Callable[[nn.Sequential, int, torch.Tensor],
     """`fn(blocks, segments, x)`: every segment (the last too) keeps only its input; gradients equal the
     plain model's; segments < 1 or more than the blocks -> ValueError."""
     require_callable(fn)
+    import random
+
     from parallel_lab.checkpointing import SavedTensorCounter, linear_stack
 
-    layers = 24
-    for segments in (24, 5, 7, 1):
-        model = linear_stack(layers=layers, linears=5, hidden=16, seed=1)
+    layers, rnd = 24, random.Random(draw_seed())  # weights, data and one spacing drawn afresh every grade run
+    for segments in (24, 5, 7, 1, rnd.choice([s for s in range(2, 24) if s not in (5, 7)])):
+        model = linear_stack(layers=layers, linears=5, hidden=16, seed=rnd.getrandbits(31))
         ref = copy.deepcopy(model)
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(segments), requires_grad=True)
+        x = torch.randn(
+            4, 16, generator=torch.Generator().manual_seed(rnd.getrandbits(31)), requires_grad=True
+        )
         xr = x.detach().clone().requires_grad_()
         ref(xr).sum().backward()
         counts, handles = _calls(model)
@@ -171,7 +176,7 @@ def check_checkpoint_sequential(fn: Callable[[nn.Sequential, int, torch.Tensor],
             f"segments={bad} for 3 blocks must raise ValueError (segments must be between 1 and 3)"
         )
     passed(
-        "check_checkpoint_sequential", "24 x 5 = 120 activations -> 24, gradients bit-exact for 4 spacings"
+        "check_checkpoint_sequential", "24 x 5 = 120 activations -> 24, gradients bit-exact for 5 spacings"
     )
 
 
@@ -185,8 +190,23 @@ def check_peak_saved(fn: Callable[[int, int, int], int]) -> None:
     from parallel_lab.checkpointing import SavedTensorCounter, checkpoint_sequential, linear_stack
 
     targets = {**FORBIDDEN, **family("parallel_lab.checkpointing.measure")}
+    import random
+
+    rnd = random.Random(draw_seed())  # two shapes drawn afresh every grade run
+    drawn = []
+    for _ in range(2):
+        layers = rnd.randint(2, 30)
+        drawn.append((layers, rnd.randint(1, 6), rnd.randint(1, layers)))
     cases = 0
-    for layers, linears, segments in ((24, 5, 24), (24, 5, 5), (24, 5, 1), (10, 3, 4), (7, 2, 3), (12, 4, 6)):
+    for layers, linears, segments in (
+        (24, 5, 24),
+        (24, 5, 5),
+        (24, 5, 1),
+        (10, 3, 4),
+        (7, 2, 3),
+        (12, 4, 6),
+        *drawn,
+    ):
         model = linear_stack(layers=layers, linears=linears, hidden=8, seed=3)
         x = torch.randn(2, 8, requires_grad=True)
         with SavedTensorCounter(model.parameters()) as c:

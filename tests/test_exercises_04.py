@@ -20,7 +20,7 @@ def test_a_table_of_one_runs_state_bytes_fails_the_next():
     ns["zero_state_bytes"] = logging
     exec(cell, ns)  # noqa: S102
     ns["zero_state_bytes"] = lambda numel, world_size, stage: table.get((numel, world_size, stage), zero)
-    # the 3-rank model's vocabulary is one of 60: a couple of runs make a miss certain in practice
+    # the 3-rank model's vocabulary is drawn per run: a couple of runs make a miss certain in practice
     for _ in range(3):
         try:
             exec(cell, ns)  # noqa: S102

@@ -186,6 +186,21 @@ def draw_seed() -> int:
     return random.SystemRandom().getrandbits(62)
 
 
+def uneven_vocab(config: dict, world_size: int) -> int:
+    """A vocabulary size drawn afresh every grade run for a small GPT (`config`: GPTConfig's fields), such
+    that `world_size` does not divide the model's parameter count: the padded-shard case stays covered."""
+    import random
+
+    from parallel_lab.models import GPTConfig, build_model
+
+    rnd = random.Random(draw_seed())
+    while True:
+        vocab = rnd.randint(20, 79)
+        model = build_model(GPTConfig(**{**config, "vocab": vocab}), seed=0)
+        if sum(q.numel() for q in model.parameters()) % world_size:
+            return vocab
+
+
 def guarded(fn: Any, targets: dict[str, str], exercise: str) -> Any:
     """`fn` wrapped so that it runs under `unavailable(targets, exercise)`, on whichever rank calls it."""
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
+from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable, uneven_vocab
 
 FORBIDDEN = family("parallel_lab.offload.host_optimizer", "parallel_lab.offload.streaming")
 
@@ -133,7 +133,7 @@ def check_offload_bytes(fn: Callable) -> None:
     vocabs = {
         1: _SMALL["vocab"],
         2: _SMALL["vocab"],
-        3: 20 + draw_seed() % 60,
+        3: uneven_vocab(_SMALL, 3),
     }  # 3 ranks: a size drawn per run
     for p in (1, 2, 3):
         for r, got in enumerate(

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel_lab.grading.checks import (
+    draw_seed,
     family,
     guarded,
     launch_learner,
@@ -79,14 +80,14 @@ def _grad(where: str, t: torch.Tensor, what: str) -> torch.Tensor:
     return t.grad
 
 
-def _column_rank(ctx, Fn) -> int:
+def _column_rank(ctx, Fn, salt: int) -> int:
     p, r = ctx.world_size, ctx.rank
     where = f"ColumnParallelLinear, world_size={p}, rank {r}"
     w, b, x0, gy = (
-        _t(OUT, IN, seed=1, device=ctx.device),
-        _t(OUT, seed=2, device=ctx.device),
-        _t(B, T, IN, seed=3, device=ctx.device),
-        _t(B, T, OUT, seed=4, device=ctx.device),
+        _t(OUT, IN, seed=salt + 1, device=ctx.device),
+        _t(OUT, seed=salt + 2, device=ctx.device),
+        _t(B, T, IN, seed=salt + 3, device=ctx.device),
+        _t(B, T, OUT, seed=salt + 4, device=ctx.device),
     )
     x = x0.clone().requires_grad_()
     wf, bf = w.clone().requires_grad_(), b.clone().requires_grad_()
@@ -108,14 +109,14 @@ def _column_rank(ctx, Fn) -> int:
     return 1
 
 
-def _row_rank(ctx, Fn) -> int:
+def _row_rank(ctx, Fn, salt: int) -> int:
     p, r = ctx.world_size, ctx.rank
     where = f"RowParallelLinear, world_size={p}, rank {r}"
     w, b, x0, gy = (
-        _t(IN, OUT, seed=5, device=ctx.device),
-        _t(IN, seed=6, device=ctx.device),
-        _t(B, T, OUT, seed=7, device=ctx.device),
-        _t(B, T, IN, seed=8, device=ctx.device),
+        _t(IN, OUT, seed=salt + 5, device=ctx.device),
+        _t(IN, seed=salt + 6, device=ctx.device),
+        _t(B, T, OUT, seed=salt + 7, device=ctx.device),
+        _t(B, T, IN, seed=salt + 8, device=ctx.device),
     )
     x = x0.clone().requires_grad_()
     wf, bf = w.clone().requires_grad_(), b.clone().requires_grad_()
@@ -141,31 +142,33 @@ def _row_rank(ctx, Fn) -> int:
     return 1
 
 
-def _fg_rank(ctx, f, g) -> int:
+def _fg_rank(ctx, f, g, salt: int) -> int:
     p, r = ctx.world_size, ctx.rank
     where = f"f/g, world_size={p}, rank {r}"
-    x = _t(B, IN, seed=9, device=ctx.device).requires_grad_()
+    x = _t(B, IN, seed=salt + 9, device=ctx.device).requires_grad_()
     y = _call(f"{where}, f forward", f.apply, x, ctx, None)
     _close("f's output", y, x.detach(), f"{where}", "f is the identity in forward")
-    coeff = [_t(B, IN, seed=10 + k, device=ctx.device) for k in range(p)]  # each rank's own upstream gradient
+    coeff = [
+        _t(B, IN, seed=salt + 10 + k, device=ctx.device) for k in range(p)
+    ]  # each rank's own upstream gradient
     _call(f"{where}, f backward", lambda: (y * coeff[r]).sum().backward())
     _close("f's input gradient", _grad(where, x, "x"), sum(coeff), where,
            "f's backward all-reduces: every rank gets the sum of all ranks' gradients")  # fmt: skip
-    parts = [_t(B, IN, seed=20 + k, device=ctx.device) for k in range(p)]
+    parts = [_t(B, IN, seed=salt + 20 + k, device=ctx.device) for k in range(p)]
     xr = parts[r].clone().requires_grad_()
     z = _call(f"{where}, g forward", g.apply, xr, ctx, None)
     _close("g's output", z, sum(parts), where, "g's forward all-reduces the partial sums")
-    gz = _t(B, IN, seed=30, device=ctx.device)
+    gz = _t(B, IN, seed=salt + 30, device=ctx.device)
     _call(f"{where}, g backward", lambda: (z * gz).sum().backward())
     _close("g's input gradient", _grad(where, xr, "x"), gz, where,
            "g's backward is the identity (an all-reduce there would multiply it by p)")  # fmt: skip
     # Megatron's MLP from them: f, column linear, GeLU, row linear, g
     w1, b1, w2, b2, x0 = (
-        _t(OUT, IN, seed=40, device=ctx.device),
-        _t(OUT, seed=41, device=ctx.device),
-        _t(IN, OUT, seed=42, device=ctx.device),
-        _t(IN, seed=43, device=ctx.device),
-        _t(B, IN, seed=44, device=ctx.device),
+        _t(OUT, IN, seed=salt + 40, device=ctx.device),
+        _t(OUT, seed=salt + 41, device=ctx.device),
+        _t(IN, OUT, seed=salt + 42, device=ctx.device),
+        _t(IN, seed=salt + 43, device=ctx.device),
+        _t(B, IN, seed=salt + 44, device=ctx.device),
     )
     xf, w1f, w2f = x0.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
     (F.linear(F.gelu(F.linear(xf, w1f, b1)), w2f, b2) * gz).sum().backward()
@@ -185,9 +188,12 @@ def _fg_rank(ctx, f, g) -> int:
 def _run(rank_fn: Callable, what: str, *fns: Any) -> None:
     for fn in fns:
         require_callable(getattr(fn, "apply", None), f"{what}.apply (a torch.autograd.Function subclass)")
+    salt = draw_seed() % 2**40  # the weights and inputs of every case, drawn afresh every grade run
     for p in WORLD_SIZES:
         try:
-            launch_learner(guarded(rank_fn, FORBIDDEN, f"this exercise ({what})"), p, *fns, timeout=30.0)
+            launch_learner(
+                guarded(rank_fn, FORBIDDEN, f"this exercise ({what})"), p, *fns, salt, timeout=30.0
+            )
         except NotImplementedError:
             raise
         except Exception as e:
@@ -253,10 +259,14 @@ def check_block_bytes(fn: Callable) -> None:
     require_callable(fn)
     fn = guarded(fn, {**FORBIDDEN, "parallel_lab.tensor_parallel.transformer.tp_comm_bytes_per_layer": "",
                       "parallel_lab.comms.cost.ring_bytes_per_rank": ""}, "this exercise (block_bytes)")  # fmt: skip
+    import random
+
+    rnd = random.Random(draw_seed())  # one more shape, drawn afresh every grade run (heads = p divide h)
+    drawn = (rnd.randint(1, 3), rnd.choice((4, 8, 12, 16)), 4 * rnd.randint(2, 8))
     cases = 0
     for p in (2, 4):
         for sp in (False, True):
-            shapes = tuple(sh for sh in _SHAPES if not sp or sh[1] % p == 0)
+            shapes = tuple(sh for sh in (*_SHAPES, drawn) if not sp or sh[1] % p == 0)
             res = launch_learner(_measure_block_bytes, p, shapes, sp, timeout=60.0)
             for r, sent in enumerate(res.values):
                 for (b, s, h), got in zip(shapes, sent):

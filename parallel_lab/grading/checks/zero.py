@@ -27,6 +27,7 @@ from parallel_lab.grading.checks import (
     passed,
     rank_verdict,
     require_callable,
+    uneven_vocab,
 )
 
 __all__ = ["check_zero1_step", "check_zero3_hooks", "check_zero_state_bytes"]
@@ -277,7 +278,7 @@ def check_zero_state_bytes(fn: Callable) -> None:
     cases = 0
     vocabs = {
         2: _SMALL["vocab"],
-        3: 20 + draw_seed() % 60,
+        3: uneven_vocab(_SMALL, 3),
     }  # the 3-rank model's size is drawn every grade run
     for p in (2, 3):
         for stage in range(4):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from parallel_lab.grading.checks import family, guarded, passed, require_callable
+from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
 
 # The lab's mesh and its byte formulas, and torch's device mesh, switched off while the learner's
 # function runs.
@@ -49,12 +49,19 @@ def check_mesh_groups(fn: Callable[[int, int, int, int], tuple]) -> None:
     """`fn(dp, tp, pp, rank)` -> ({"pp", "dp", "tp"} coordinates, {"pp", "dp", "tp"} group ranks)."""
     require_callable(fn)
     fn = guarded(fn, FORBIDDEN, "this exercise (mesh_groups)")
+    import random
+
     from parallel_lab.runtime.parallel_dims import ParallelDims
 
+    rnd = random.Random(draw_seed())  # plus three bigger meshes and their ranks, drawn afresh every grade run
+    drawn = [
+        (rnd.randint(3, 9), rnd.randint(3, 9), rnd.randint(5, 9)) for _ in range(3)
+    ]  # >= 45 ranks: 32 sampled
     ranks = 0
-    for dp, tp, pp in _MESHES:
+    for dp, tp, pp in (*_MESHES, *drawn):
         dims = ParallelDims(dp=dp, tp=tp, pp=pp)
-        for rank in range(dims.size):
+        picked = range(dims.size) if dims.size <= 32 else sorted(rnd.sample(range(dims.size), 32))
+        for rank in picked:
             where = f"mesh_groups(dp={dp}, tp={tp}, pp={pp}, rank={rank})"
             got = fn(dp, tp, pp, rank)
             ok = isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(x, dict) for x in got)
@@ -76,7 +83,7 @@ def check_mesh_groups(fn: Callable[[int, int, int, int], tuple]) -> None:
                         f"{rank} only in their {axis} coordinate, ordered by it).{hint}"
                     )
             ranks += 1
-    passed("check_mesh_groups", f"{len(_MESHES)} meshes, {ranks} ranks")
+    passed("check_mesh_groups", f"{len(_MESHES) + len(drawn)} meshes, {ranks} ranks")
 
 
 def check_comm_bytes_per_layer(fn: Callable[..., dict]) -> None:
@@ -93,6 +100,13 @@ def check_comm_bytes_per_layer(fn: Callable[..., dict]) -> None:
         for dp in (1, 2, 3, 8, 64)
         for item in (2, 4)
     ]
+    import random
+
+    rnd = random.Random(draw_seed())  # and eight cases drawn afresh every grade run (tp divides b*s*h)
+    for _ in range(8):
+        tp = rnd.choice((1, 2, 4, 8))
+        cases.append((rnd.randint(1, 8), 64 * rnd.randint(1, 32), 128 * rnd.randint(1, 64), tp, rnd.randint(1, 96),
+                      rnd.choice((2, 4))))  # fmt: skip
     for b, s, h, tp, dp, item in cases:
         where = f"comm_bytes_per_layer(b={b}, s={s}, h={h}, tp={tp}, dp={dp}, itemsize={item})"
         got = fn(b, s, h, tp, dp, itemsize=item)
@@ -125,6 +139,12 @@ def check_exposed(fn: Callable[[float, float, float], float]) -> None:
     fn = guarded(fn, {**family("parallel_lab.costmodel.timing")}, "this exercise (exposed)")
     grid = (0.0, 0.5, 1.0, 2.0, 5.0)
     cases = [(c, k, f) for c in grid for k in grid for f in (0.0, 0.15, 0.5)]
+    import random
+
+    rnd = random.Random(draw_seed())  # and ten drawn afresh every grade run
+    cases += [
+        (round(rnd.uniform(0, 9), 3), round(rnd.uniform(0, 9), 3), round(rnd.random(), 3)) for _ in range(10)
+    ]
     for comm, compute, f in cases:
         where = f"exposed(comm={comm}, compute={compute}, f={f})"
         got = fn(comm, compute, f)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_lab.grading.checks import (
+    draw_seed,
     family,
     guarded,
     launch_learner,
@@ -53,7 +54,7 @@ def _reference_slots(probs: torch.Tensor, k: int, capacity: int) -> tuple[torch.
 
 
 def _router_cases() -> list[tuple[str, torch.Tensor, int, int]]:
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(draw_seed())  # router probabilities drawn afresh every grade run
 
     def probs(n, e, sharp=3.0):
         return (torch.randn(n, e, generator=g) * sharp).softmax(-1)
@@ -140,18 +141,18 @@ def _only_all_to_all() -> Iterator[None]:
             setattr(dist, name, fn)
 
 
-def _experts(E: int, d: int, device: Any = "cpu") -> list[Callable]:
+def _experts(E: int, d: int, device: Any = "cpu", salt: int = 0) -> list[Callable]:
     """Expert e: x -> tanh(x @ W_e) + e, small and different per expert (same on every rank)."""
     ws = [
-        (torch.randn(d, d, generator=torch.Generator().manual_seed(500 + e)) / d**0.5).to(device)
+        (torch.randn(d, d, generator=torch.Generator().manual_seed(salt + 500 + e)) / d**0.5).to(device)
         for e in range(E)
     ]
     return [lambda x, w=w, e=e: torch.tanh(x @ w) + e for e, w in enumerate(ws)]
 
 
-def _routing(rank: int, n: int, E: int, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _routing(rank: int, n: int, E: int, C: int, salt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A random routing of this rank's n tokens into E experts x C slots, some slots empty."""
-    g = torch.Generator().manual_seed(900 + rank)
+    g = torch.Generator().manual_seed(salt + 900 + rank)
     tokens = torch.full((E, C), -1, dtype=torch.long)
     gates = torch.zeros(E, C)
     for e in range(E):
@@ -161,15 +162,15 @@ def _routing(rank: int, n: int, E: int, C: int) -> tuple[torch.Tensor, torch.Ten
     return tokens, gates
 
 
-def _run_dispatch(ctx, fn: Callable, cases) -> int:
+def _run_dispatch(ctx, fn: Callable, cases, salt: int) -> int:
     p, r = ctx.world_size, ctx.rank
     for E, C, n, d in cases:
         where = f"world_size={p}, {E} experts, capacity {C}, {n} tokens of width {d}, rank {r}"
-        x = torch.randn(n, d, generator=torch.Generator().manual_seed(700 + r))
-        tokens, gates = _routing(r, n, E, C)
-        every = _experts(E, d)
+        x = torch.randn(n, d, generator=torch.Generator().manual_seed(salt + 700 + r))
+        tokens, gates = _routing(r, n, E, C, salt)
+        every = _experts(E, d, salt=salt)
         L = E // p
-        on_device = _experts(E, d, ctx.device)  # the learner's experts run where its tokens are
+        on_device = _experts(E, d, ctx.device, salt)  # the learner's experts run where its tokens are
         mine = {e: on_device[e] for e in range(r * L, (r + 1) * L)}
         want = torch.zeros(n, d)
         for e in range(E):
@@ -204,10 +205,10 @@ def check_dispatch_combine(dispatch_combine: Callable) -> None:
     """`dispatch_combine(ctx, x, expert_tokens, expert_gates, experts)` -> (N, d) on every rank."""
     require_callable(dispatch_combine, "dispatch_combine")
     cases = [(4, 3, 10, 6), (8, 2, 7, 5), (4, 5, 3, 4)]  # (E, C, tokens, d): C > tokens in the last
-    total = 0
+    total, salt = 0, draw_seed() % 2**40  # tokens, routings and experts drawn afresh every grade run
     for p in (1, 2, 4):
         try:
-            res = launch_learner(_run_dispatch, p, dispatch_combine, cases, timeout=30.0)
+            res = launch_learner(_run_dispatch, p, dispatch_combine, cases, salt, timeout=30.0)
         except Exception as e:
             if getattr(e, "exc_type", None) in ("AssertionError", "WriteItYourself"):
                 raise rank_verdict(e) from None
@@ -247,16 +248,21 @@ def check_padded_dispatch_bytes(fn: Callable) -> None:
     rank's tokens); predicted, then compared with the byte counter of real runs on 2 and 4 ranks (exactly)."""
     require_callable(fn)
     fn = guarded(fn, FORBIDDEN, "this exercise (padded_dispatch_bytes)")
+    import random
+
+    rnd = random.Random(draw_seed())  # one more layer drawn afresh every grade run (E divisible by 4)
+    shapes = (*_PADDED, (rnd.randint(8, 80), 4 * rnd.randint(1, 4), rnd.randint(1, 2), rnd.choice((1.0, 1.25, 1.5, 2.0)),
+                         rnd.randint(2, 16)))  # fmt: skip
     cases = 0
     for p in (2, 4):
         try:
-            res = launch_learner(_measure_padded, p, _PADDED, timeout=60.0)
+            res = launch_learner(_measure_padded, p, shapes, timeout=60.0)
         except Exception as e:
             if getattr(e, "exc_type", None) in ("AssertionError", "WriteItYourself"):
                 raise rank_verdict(e) from None
             raise
         for r, sent in enumerate(res.values):
-            for (n, E, k, factor, d), got in zip(_PADDED, sent):
+            for (n, E, k, factor, d), got in zip(shapes, sent):
                 said = fn(n, E, k, factor, d, p, 4)
                 assert said == got, (
                     f"{n} tokens per rank, {E} experts, top-{k}, capacity factor {factor}, d={d} on {p} ranks, rank {r}: "

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.utils.prune as torch_prune
 
-from parallel_lab.grading.checks import family, guarded, passed, require_callable
+from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
 
 _PRUNE = "rank the weights by magnitude yourself"
 FORBIDDEN = {
@@ -40,7 +40,7 @@ def check_magnitude_mask(magnitude_mask: Callable) -> None:
     """`magnitude_mask(weight, sparsity)` -> bool mask, False for the round(sparsity · n) smallest |w|."""
     require_callable(magnitude_mask, "magnitude_mask")
     fn = guarded(magnitude_mask, FORBIDDEN, "this exercise (magnitude_mask)")
-    g = torch.Generator().manual_seed(15)
+    g = torch.Generator().manual_seed(draw_seed())  # the random weights are drawn afresh every grade run
     cases = [
         ("a 6x8 weight, sparsity 0.5", torch.randn(6, 8, generator=g), 0.5),
         ("10 weights, sparsity 0.37 (3.7 weights: round it)", torch.randn(10, generator=g), 0.37),
@@ -90,8 +90,12 @@ def check_distillation_loss(distillation_loss: Callable) -> None:
     """`distillation_loss(student_logits, teacher_logits, targets, temperature, alpha)` -> scalar tensor."""
     require_callable(distillation_loss, "distillation_loss")
     fn = guarded(distillation_loss, FORBIDDEN, "this exercise (distillation_loss)")
-    g = torch.Generator().manual_seed(151)
-    cases = [(4, 5, 2.0, 0.5), (7, 10, 4.0, 0.9), (3, 6, 1.0, 0.3), (5, 8, 3.0, 1.0), (6, 4, 2.0, 0.0)]
+    g = torch.Generator().manual_seed(
+        draw_seed()
+    )  # logits, labels and one setting drawn afresh every grade run
+    drawn = (int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(2, 12, (1,), generator=g)),
+             round(0.5 + 4.5 * float(torch.rand(1, generator=g)), 3), round(float(torch.rand(1, generator=g)), 3))  # fmt: skip
+    cases = [(4, 5, 2.0, 0.5), (7, 10, 4.0, 0.9), (3, 6, 1.0, 0.3), (5, 8, 3.0, 1.0), (6, 4, 2.0, 0.0), drawn]
     for n, v, T, alpha in cases:
         what = f"{n} rows, {v} classes, T = {T:g}, alpha = {alpha:g}"
         s64 = (torch.randn(n, v, generator=g, dtype=torch.float64) * 2).requires_grad_()

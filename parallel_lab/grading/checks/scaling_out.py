@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from parallel_lab.grading.checks import family, guarded, passed, require_callable
+from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
 
 FORBIDDEN = family("parallel_lab.comms.cost", keep=("parallel_lab.comms.cost.chunk_sizes",))
 
@@ -29,6 +29,11 @@ def check_multinode_all_reduce(allreduce_seconds: Callable) -> None:
         (2.6e9, 1, 8, 450e9, 50e9), (2.6e9, 2, 8, 450e9, 50e9), (1e9, 4, 4, 300e9, 25e9),
         (7e8, 64, 8, 450e9, 100e9), (4e6, 3, 2, 100e9, 50e9),
     ]  # fmt: skip
+    import random
+
+    rnd = random.Random(draw_seed())  # and three clusters drawn afresh every grade run
+    cases += [(round(10 ** rnd.uniform(5, 10)), rnd.randint(1, 128), rnd.choice((1, 2, 4, 8, 16)),
+               rnd.choice((100e9, 300e9, 450e9, 900e9)), rnd.choice((12.5e9, 25e9, 50e9, 100e9))) for _ in range(3)]  # fmt: skip
     for nbytes, n, g, intra, inter in cases:
         for hierarchical in (False, True):
             got = float(fn(nbytes, n, g, intra, inter, hierarchical))

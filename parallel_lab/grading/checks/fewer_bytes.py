@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from parallel_lab.grading.checks import family, guarded, passed, require_callable
+from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
 
 FORBIDDEN = family("parallel_lab.precision.fp8", "parallel_lab.precision.fp8_linear")
 TOPK_FORBIDDEN = family("parallel_lab.data_parallel.compression")
@@ -51,7 +51,10 @@ def check_round_e4m3(round_e4m3: Callable) -> None:
     """`round_e4m3(x)` -> float32 tensor of the nearest E4M3 value of each x (ties to even), saturated at ±448."""
     require_callable(round_e4m3, "round_e4m3")
     fn = guarded(round_e4m3, FORBIDDEN, "this exercise (round_e4m3)")
-    x = _grid()
+    g = torch.Generator().manual_seed(draw_seed())  # plus 4,096 values drawn afresh every grade run
+    x = torch.cat(
+        [_grid(), torch.randn(4096, generator=g) * 10.0 ** torch.randint(-4, 3, (4096,), generator=g)]
+    )
     want = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()  # torch's cast, inside the range: the reference
     with _NoFp8():
         got = fn(x.clone())
@@ -127,7 +130,7 @@ def check_topk_error_feedback(topk_error_feedback: Callable) -> None:
         else:
             hint = "expected indices [1, 6], values [-3, 2.5], residual [0.5, 0, 0.1, 2, -0.2, 0, 0, 0.3]"
         raise AssertionError(f"{what} returned indices {got[0]}, values {got[1]}, residual {got[2]}: {hint}")
-    g = torch.Generator().manual_seed(18)
+    g = torch.Generator().manual_seed(draw_seed())  # gradients drawn afresh every grade run
     residual, total_in, total_out = torch.zeros(500), torch.zeros(500), torch.zeros(500)
     for step in range(20):
         grad = torch.randn(500, generator=g) * 0.1 ** (step % 3)
@@ -158,6 +161,11 @@ def check_delayed_scale(delayed_scale: Callable) -> None:
     steps = [(3.0, 1.0), (12.0, 448.0 / 3.0), (5.0, 448.0 / 12.0), (1.0, 448.0 / 12.0), (2.0, 448.0 / 12.0),
              (0.5, 448.0 / 5.0), (0.25, 448.0 / 2.0)]  # (this step's amax, the scale it must use), length 3  # fmt: skip
     history: list = []
+    import random
+
+    rnd = random.Random(
+        draw_seed()
+    )  # then a run with its own length, format limit and amaxes, drawn per grade run
     for i, (amax, want) in enumerate(steps):
         what = f"step {i}: delayed_scale(history={history}, amax={amax}, largest=448.0, length=3)"
         got = fn(list(history), amax, 448.0, 3)
@@ -182,7 +190,24 @@ def check_delayed_scale(delayed_scale: Callable) -> None:
             "`length` (older ones fall out, so a spike is forgotten after `length` steps)"
         )
         history = want_hist
-    passed("check_delayed_scale", f"{len(steps)} steps with a history of 3")
+    length, largest, history = rnd.randint(1, 6), rnd.choice((448.0, 57344.0, 240.0)), []
+    for i in range(12):
+        amax = round(10 ** rnd.uniform(-3, 3), 6)
+        want = largest / max(history) if history else 1.0
+        what = f"step {i}: delayed_scale(history={history}, amax={amax}, largest={largest}, length={length})"
+        got = fn(list(history), amax, largest, length)
+        assert isinstance(got, (tuple, list)) and len(got) == 2, (
+            f"{what}: return (scale, new_history); got {got!r}"
+        )
+        assert abs(float(got[0]) - want) <= 1e-9 * want, (
+            f"{what} returned scale {float(got[0]):.6g}, expected {want:.6g}"
+        )
+        want_hist = (history + [amax])[-length:]
+        assert [float(v) for v in got[1]] == want_hist, (
+            f"{what} returned history {list(got[1])}, expected {want_hist}"
+        )
+        history = want_hist
+    passed("check_delayed_scale", f"{len(steps)} steps with a history of 3, 12 with a drawn length")
 
 
 __all__ += ["check_delayed_scale"]

@@ -161,7 +161,17 @@ def check_resumable_sampler(Sampler: type) -> None:
     from parallel_lab.resilience import ResumableSampler as Reference
 
     make = guarded(Sampler, FORBIDDEN, "this exercise (Sampler)")
-    for n, seed, cuts in ((10, 0, (3, 4, 7, 2, 9, 5)), (7, 3, (7, 7, 1, 6, 14)), (12, 1, (5, 5, 5, 5, 5, 5))):
+    import random
+
+    rnd = random.Random(draw_seed())  # one more dataset, seed and set of cuts, drawn afresh every grade run
+    n = rnd.randint(2, 40)
+    drawn = (n, rnd.getrandbits(31), tuple(rnd.randint(1, 2 * n) for _ in range(rnd.randint(3, 7))))
+    for n, seed, cuts in (
+        (10, 0, (3, 4, 7, 2, 9, 5)),
+        (7, 3, (7, 7, 1, 6, 14)),
+        (12, 1, (5, 5, 5, 5, 5, 5)),
+        drawn,
+    ):
         ref, s = Reference(n, seed), make(n, seed)
         seen: Counter = Counter()
         for i, k in enumerate(cuts):
@@ -184,7 +194,7 @@ def check_resumable_sampler(Sampler: type) -> None:
             state = json.loads(json.dumps(s.state_dict()))  # it must survive a trip through a file
             s = make(n, seed)
             s.load_state_dict(state)
-    passed("check_resumable_sampler", "every sample once per epoch across 17 resumes")
+    passed("check_resumable_sampler", "every sample once per epoch across 17 resumes and a drawn run")
 
 
 # ----------------------------------------------------------------------------- interval

@@ -11,52 +11,97 @@ from pathlib import Path
 import pytest
 from solution_code import _check_cell, edit, run_check, solution_namespace
 
-HEAD = "import torch\ndef merge_running(acc_a, m_a, l_a, acc_b, m_b, l_b):\n    m = torch.maximum(m_a, m_b)\n"
+HEAD = (
+    "import torch\ndef merge_remote(acc, m, l, out_b, lse_b):\n    m_new = torch.maximum(m, lse_b)\n"
+    "    ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)\n"
+    "    wa, wb = torch.exp(m - ref), torch.exp(lse_b - ref)\n"
+)
+TO_LSE = "    lse_a = m + torch.log(l)\n    lse = torch.logaddexp(lse_a, lse_b)\n"
+# Right answers other than the reference, which the check must pass: the merge written through log-sum-exp
+# (it rounds m + log l to float32 at the row's scale before exponentiating), the remote part taken as a
+# running state of its own (reference lse_b, l_b = 1, acc_b = out_b: exact, since exp(lse_b) = 1 x e^lse_b),
+# and the union's lse kept as the reference (l = 1)
+RIGHT = {
+    "through log-sum-exp": (
+        "import torch\ndef merge_remote(acc, m, l, out_b, lse_b):\n"
+        + TO_LSE
+        + "    top = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)\n"
+        "    out_a = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)\n"
+        "    out = torch.exp(lse_a - top).unsqueeze(-1) * out_a + torch.exp(lse_b - top).unsqueeze(-1) * out_b\n"
+        "    m_new = torch.maximum(m, lse_b)\n"
+        "    l_new = torch.exp(lse - torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new))\n"
+        "    return out * l_new.unsqueeze(-1), m_new, l_new\n"
+    ),
+    "lse_b as the remote part's m, with l_b = 1": (
+        "import torch\ndef merge_remote(acc, m, l, out_b, lse_b):\n"
+        "    m_b, l_b = lse_b, torch.where(torch.isinf(lse_b), 0.0, 1.0)\n"
+        "    m_new = torch.maximum(m, m_b)\n"
+        "    ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)\n"
+        "    wa, wb = torch.exp(m - ref), torch.exp(m_b - ref)\n"
+        "    return wa[..., None] * acc + wb[..., None] * out_b, m_new, wa * l + wb * l_b\n"
+    ),
+    "the union's lse as the reference": (
+        "import torch\ndef merge_remote(acc, m, l, out_b, lse_b):\n"
+        + TO_LSE
+        + "    ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)\n"
+        "    wa, wb = torch.exp(lse_a - ref), torch.exp(lse_b - ref)\n"
+        "    out_a = acc / torch.where(l > 0, l, torch.ones_like(l))[..., None]\n"
+        "    return wa[..., None] * out_a + wb[..., None] * out_b, lse, torch.where(torch.isinf(lse), 0.0, wa + wb)\n"
+    ),
+}
 WRONG = [
-    # ---- exercise 1: merge_running
-    ("check_merge_running", "no rescaling", HEAD + "    return acc_a + acc_b, m, l_a + l_b\n",
-     "added the two parts' acc and l as they came"),
-    ("check_merge_running", "rescales acc but not l",
-     edit("17", "merge_running", "l = wa * l_a + wb * l_b", "l = l_a + l_b"), "acc is right, l is not"),
-    ("check_merge_running", "lse-style weights on the unnormalised acc (double normalisation)",
-     HEAD + "    lse_a, lse_b = m_a + torch.log(l_a), m_b + torch.log(l_b)\n    lse = torch.logaddexp(lse_a, lse_b)\n"
-     "    sa, sb = torch.exp(lse_a - lse), torch.exp(lse_b - lse)\n"
-     "    return sa[..., None] * acc_a + sb[..., None] * acc_b, m, torch.exp(lse - m)\n",
-     "normalises it a second time"),
-    ("check_merge_running", "returns normalised attention as acc",
-     edit("17", "merge_running", "return acc, m, l", "return acc / l.unsqueeze(-1), m, l"), "already normalised"),
-    ("check_merge_running", "nan on a fully masked block",
-     edit("17", "merge_running", "ref = torch.where(torch.isinf(m), torch.zeros_like(m), m)", "ref = m"),
+    # ---- exercise 1: merge_remote
+    ("check_merge_remote", "no rescaling of the local state", HEAD + "    return acc + wb[..., None] * out_b, m_new, l + wb\n",
+     "you left the local acc and l as they came"),
+    ("check_merge_remote", "rescales acc but not l", edit("17", "merge_remote", "l = wa * l + wb", "l = l + wb"),
+     "acc is right, l is not"),
+    ("check_merge_remote", "adds out_b without its mass",
+     edit("17", "merge_remote", "acc = wa.unsqueeze(-1) * acc + wb.unsqueeze(-1) * out_b",
+          "acc = wa.unsqueeze(-1) * acc + out_b"), "you added out_b as it came"),
+    ("check_merge_remote", "lse-style weights on the unnormalised acc (double normalisation)",
+     "import torch\ndef merge_remote(acc, m, l, out_b, lse_b):\n" + TO_LSE
+     + "    top = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)\n"
+     "    sa, sb = torch.exp(lse_a - top), torch.exp(lse_b - top)\n    m_new = torch.maximum(m, lse_b)\n"
+     "    l_new = torch.exp(lse - torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new))\n"
+     "    return sa[..., None] * acc + sb[..., None] * out_b, m_new, l_new\n",
+     "divides it a second time"),
+    ("check_merge_remote", "returns normalised attention as acc",
+     edit("17", "merge_remote", "return acc, m_new, l",
+          "return acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1), m_new, l"), "your acc is normalised"),
+    ("check_merge_remote", "nan on a fully masked block",
+     edit("17", "merge_remote", "ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)", "ref = m_new"),
      "exp(-inf - (-inf)) is nan"),
-    ("check_merge_running", "exponentiates the maxima themselves",
-     edit("17", "merge_running", "wa, wb = torch.exp(m_a - ref), torch.exp(m_b - ref)",
-          "wa, wb = torch.exp(m_a) / torch.exp(ref), torch.exp(m_b) / torch.exp(ref)"), "overflows float32"),
-    ("check_merge_running", "keeps the first part's maximum",
-     edit("17", "merge_running", "m = torch.maximum(m_a, m_b)", "m = torch.where(torch.isinf(m_a), m_b, m_a)"),
-     "m differs from the running maximum"),
-    ("check_merge_running", "wraps the lab's merge_attention",
+    ("check_merge_remote", "exponentiates the maxima and the lse themselves",
+     edit("17", "merge_remote", "wa, wb = torch.exp(m - ref), torch.exp(lse_b - ref)",
+          "wa, wb = torch.exp(m) / torch.exp(ref), torch.exp(lse_b) / torch.exp(ref)"), "overflows float32"),
+    ("check_merge_remote", "keeps the local m as the reference",
+     edit("17", "merge_remote", "m_new = torch.maximum(m, lse_b)", "m_new = m"), "taken from one part alone"),
+    ("check_merge_remote", "takes the remote lse as the reference",
+     edit("17", "merge_remote", "m_new = torch.maximum(m, lse_b)", "m_new = lse_b"), "taken from one part alone"),
+    ("check_merge_remote", "wraps the lab's merge_attention",
      "import torch\nfrom parallel_lab.inference import merge_attention\n"
-     "def merge_running(acc_a, m_a, l_a, acc_b, m_b, l_b):\n"
-     "    out, lse = merge_attention(acc_a / l_a[..., None], m_a + torch.log(l_a), acc_b / l_b[..., None], m_b + torch.log(l_b))\n"
-     "    m = torch.maximum(m_a, m_b)\n    l = torch.exp(lse - m)\n    return out * l[..., None], m, l\n",
+     "def merge_remote(acc, m, l, out_b, lse_b):\n"
+     "    out, lse = merge_attention(acc / l[..., None], m + torch.log(l), out_b, lse_b)\n"
+     "    m_new = torch.maximum(m, lse_b)\n    l_new = torch.exp(lse - m_new)\n"
+     "    return out * l_new[..., None], m_new, l_new\n",
      "switched off"),
-    ("check_merge_running", "torch's private merger",
+    ("check_merge_remote", "torch's private merger",
      "import torch\nfrom torch.distributed.tensor.experimental._context_parallel._attention import _SDPAMerger\n"
-     "def merge_running(acc_a, m_a, l_a, acc_b, m_b, l_b):\n    mg = _SDPAMerger(True, seq_dim=2)\n"
-     "    mg.step(acc_a / l_a[..., None], m_a + torch.log(l_a), False)\n"
-     "    mg.step(acc_b / l_b[..., None], m_b + torch.log(l_b), False)\n    out, lse = mg.results()\n"
-     "    m = torch.maximum(m_a, m_b)\n    l = torch.exp(lse - m)\n    return out * l[..., None], m, l\n",
+     "def merge_remote(acc, m, l, out_b, lse_b):\n    mg = _SDPAMerger(True, seq_dim=2)\n"
+     "    mg.step(acc / l[..., None], m + torch.log(l), False)\n"
+     "    mg.step(out_b, lse_b, False)\n    out, lse = mg.results()\n"
+     "    m_new = torch.maximum(m, lse_b)\n    l_new = torch.exp(lse - m_new)\n"
+     "    return out * l_new[..., None], m_new, l_new\n",
      "switched off"),
-    ("check_merge_running", "torch's public attention",
+    ("check_merge_remote", "torch's public attention",
      "import torch\nimport torch.nn.functional as F\n"
-     "def merge_running(acc_a, m_a, l_a, acc_b, m_b, l_b):\n"
-     "    F.scaled_dot_product_attention(acc_a, acc_b, acc_b)\n    return acc_a, m_a, l_a\n",
+     "def merge_remote(acc, m, l, out_b, lse_b):\n"
+     "    F.scaled_dot_product_attention(acc, out_b, out_b)\n    return acc, m, l\n",
      "switched off"),
-    ("check_merge_running", "reads the check's own helpers",
-     "from parallel_lab.grading.checks.long_sequences import _named_mistakes\n"
-     "def merge_running(acc_a, m_a, l_a, acc_b, m_b, l_b):\n"
-     "    acc, l = _named_mistakes((acc_a, m_a, l_a), (acc_b, m_b, l_b))['acc only'][0], None\n"
-     "    return acc, m_a, l_a\n", "switched off"),
+    ("check_merge_remote", "reads the check's own helpers",
+     "from parallel_lab.grading.checks.long_sequences import _mistakes\n"
+     "def merge_remote(acc, m, l, out_b, lse_b):\n"
+     "    _mistakes((acc, m, l), (out_b, lse_b), m)\n    return acc, m, l\n", "switched off"),
     # ---- exercise 2: balanced_chunks
     ("check_balanced_chunks", "the causal zigzag",
      edit("17", "balanced_chunks", "return [(order[i], order[chunks - 1 - i]) for i in range(world_size)]",
@@ -70,6 +115,15 @@ WRONG = [
     ("check_balanced_chunks", "pairs by position, not by work",
      edit("17", "balanced_chunks", "return [(order[i], order[chunks - 1 - i]) for i in range(world_size)]",
           "return [(r, world_size + r) for r in range(world_size)]"), "follows the chunks' positions"),
+    ("check_balanced_chunks", "sorted by work, the i-th with the (i+N)-th",
+     edit("17", "balanced_chunks", "return [(order[i], order[chunks - 1 - i]) for i in range(world_size)]",
+          "return [(order[i], order[i + world_size]) for i in range(world_size)]"),
+     "the i-th lightest chunk with the (i+N)-th lightest"),
+    ("check_balanced_chunks", "by position, r with r+N, on one document (not blamed on position)",
+     edit("17", "balanced_chunks", "return [(order[i], order[chunks - 1 - i]) for i in range(world_size)]",
+          "return [(r, r + world_size) if len(doc_lens) == 1 else (order[r], order[chunks - 1 - r])\n"
+          "            for r in range(world_size)]"),
+     "rdered by work, your pairing puts the i-th lightest"),
     ("check_balanced_chunks", "pairs heavy with heavy",
      edit("17", "balanced_chunks", "return [(order[i], order[chunks - 1 - i]) for i in range(world_size)]",
           "return [(order[2 * i], order[2 * i + 1]) for i in range(world_size)]"),
@@ -111,7 +165,7 @@ WRONG = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("check", ["check_merge_running", "check_balanced_chunks"])
+@pytest.mark.parametrize("check", ["check_merge_remote", "check_balanced_chunks"])
 def test_the_solution_passes_with_one_line(check, capsys):
     run_check("17", check)
     out, err = capsys.readouterr()
@@ -124,6 +178,17 @@ def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
     with pytest.raises(AssertionError) as info:
         run_check("17", check, source)
     assert want in str(info.value), f"{label}: {info.value}"
+    if "not blamed on position" in label:
+        assert "position" not in str(info.value).split("doc_lens=[64])", 1)[1], str(info.value)
+
+
+@pytest.mark.parametrize("label", list(RIGHT))
+def test_other_right_merges_pass(label, capsys):
+    runs = 50 if label == "through log-sum-exp" else 3  # it rounds at the row's scale: run it on many draws
+    for _ in range(runs):
+        run_check("17", "check_merge_remote", RIGHT[label])
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(ln.startswith("check_merge_remote passed") for ln in lines) == runs
 
 
 # ----------------------------------------------------------------------------- the optimum is the optimum
@@ -180,6 +245,7 @@ def test_every_drawn_packing_defeats_the_rules_by_position():
     from parallel_lab.grading.checks.long_sequences import (
         _chunk_work,
         _draw_packing,
+        _grows,
         _heaviest,
         _optimum,
         _position_pairings,
@@ -191,6 +257,7 @@ def test_every_drawn_packing_defeats_the_rules_by_position():
         assert sum(docs) == length and length % (2 * n) == 0
         work = _chunk_work(2 * n, length, docs)
         assert all(_heaviest(p, work) > _optimum(work) for p in _position_pairings(n, work).values())
+        assert not _grows(work)  # so a rule by position differs from its twin by work
 
 
 # ----------------------------------------------------------------------------- cases drawn at grade time
@@ -202,7 +269,7 @@ def test_a_table_of_one_grade_runs_merges_fails_the_next():
     """A learner who logs the inputs and answers of one grade run and answers from that table fails
     the next run, whose shapes, values and masks are drawn again."""
     ns = solution_namespace("17")
-    real, table = ns["merge_running"], {}
+    real, table = ns["merge_remote"], {}
 
     def key(*ts):
         return tuple(t.numpy().tobytes() for t in ts)
@@ -211,16 +278,16 @@ def test_a_table_of_one_grade_runs_merges_fails_the_next():
         table[key(*args)] = out = real(*args)
         return out
 
-    ns["merge_running"] = logging
-    _run(ns, "check_merge_running")
+    ns["merge_remote"] = logging
+    _run(ns, "check_merge_remote")
     assert len(table) > 10
 
     def from_the_table(*args):
         return table.get(key(*args), args[:3])
 
-    ns["merge_running"] = from_the_table
-    with pytest.raises(AssertionError, match="merge_running"):
-        _run(ns, "check_merge_running")
+    ns["merge_remote"] = from_the_table
+    with pytest.raises(AssertionError, match="merge_remote"):
+        _run(ns, "check_merge_remote")
 
 
 def test_a_table_of_one_grade_runs_pairings_fails_the_next():

@@ -56,3 +56,32 @@ def edit(lesson: str, name: str, old: str, new: str) -> str:
     src = "\n".join(line for line in _solution_cell(lesson, name).splitlines() if "### HINT" not in line)
     assert old in src, f"{old!r} not in the solution of {name}"
     return src.replace(old, new, 1)
+
+
+def table_cheat_fails(lesson: str, name: str, check: str, missing, match: str = "", key=None, tries: int = 1):
+    """A learner who logs what the reference answers in one grade run, keyed by the arguments, and answers
+    from that table in the next (`missing` where it has nothing) fails a later run, with `match` in the
+    message. `key(*args)` makes the arguments hashable (default: the arguments themselves). `tries` > 1 where
+    a run draws from a small set and may, rarely, repeat a case the table holds."""
+    import pytest
+
+    key = key or (lambda *args, **kwargs: (args, tuple(sorted(kwargs.items()))))
+    ns = solution_namespace(lesson)
+    real, table = ns[name], {}
+
+    def logging(*args, **kwargs):
+        table[key(*args, **kwargs)] = out = real(*args, **kwargs)
+        return out
+
+    cell = compile(_check_cell(lesson, check), f"<check cell {check}>", "exec")
+    ns[name] = logging
+    exec(cell, ns)  # noqa: S102
+    assert table, f"{check} never called {name}"
+    ns[name] = lambda *args, **kwargs: table.get(key(*args, **kwargs), missing)
+    for _ in range(tries):
+        try:
+            exec(cell, ns)  # noqa: S102
+        except AssertionError as e:
+            assert match in str(e), e
+            return
+    pytest.fail(f"{tries} grade run(s) in a row drew only cases one earlier run's table held")

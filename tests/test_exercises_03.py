@@ -4,7 +4,7 @@ table logged in one run fails the next."""
 from __future__ import annotations
 
 import pytest
-from solution_code import _check_cell, solution_namespace
+from solution_code import _check_cell, solution_namespace, table_cheat_fails
 
 
 def _run(ns: dict, check: str) -> None:
@@ -37,22 +37,7 @@ def test_a_table_of_one_runs_buckets_fails_the_next():
 
 
 def test_a_table_of_one_runs_byte_predictions_fails_the_next():
-    ns = solution_namespace("03")
-    real, table = ns["ddp_bytes"], {}
-
-    def logging(bucket_numels, p, rank, itemsize):
-        table[tuple(bucket_numels), p, rank, itemsize] = out = real(bucket_numels, p, rank, itemsize)
-        return out
-
-    ns["ddp_bytes"] = logging
-    _run(ns, "check_ddp_bytes")
-    ns["ddp_bytes"] = lambda b, p, rank, itemsize: table.get((tuple(b), p, rank, itemsize), 0)
-    # One bucket size in 200..3000 is drawn per run, and neighbouring sizes can cut the same buckets
-    # (then the table's answer is the right one): a few runs make a miss certain in practice.
-    for _ in range(4):
-        try:
-            _run(ns, "check_ddp_bytes")
-        except AssertionError as e:
-            assert "you predict 0 bytes" in str(e), e
-            return
-    pytest.fail("four runs in a row drew bucket layouts the table already held")
+    # one bucket size in 200..3000 is drawn per run, and neighbouring sizes can cut the same buckets (then
+    # the table's answer is the right one): a few runs make a miss certain in practice
+    table_cheat_fails("03", "ddp_bytes", "check_ddp_bytes", 0, "you predict 0 bytes",
+                      key=lambda b, p, rank, itemsize: (tuple(b), p, rank, itemsize), tries=4)  # fmt: skip

@@ -4,7 +4,7 @@ table logged in one run fails the next."""
 from __future__ import annotations
 
 import pytest
-from solution_code import _check_cell, solution_namespace
+from solution_code import _check_cell, solution_namespace, table_cheat_fails
 
 
 def _run(ns: dict, check: str) -> None:
@@ -12,33 +12,11 @@ def _run(ns: dict, check: str) -> None:
 
 
 def test_a_table_of_one_runs_scales_fails_the_next():
-    ns = solution_namespace("06")
-    real, table = ns["update_scale"], {}
-
-    def logging(*args):
-        table[args] = out = real(*args)
-        return out
-
-    ns["update_scale"] = logging
-    _run(ns, "check_update_scale")
-    ns["update_scale"] = lambda *args: table.get(args, (0.0, 0))
-    with pytest.raises(AssertionError, match="expected"):
-        _run(ns, "check_update_scale")
+    table_cheat_fails("06", "update_scale", "check_update_scale", (0.0, 0), "expected")
 
 
 def test_a_table_of_one_runs_thresholds_fails_the_next():
-    ns = solution_namespace("06")
-    real, table = ns["smallest_update"], {}
-
-    def logging(weight, dtype):
-        table[weight, dtype] = out = real(weight, dtype)
-        return out
-
-    ns["smallest_update"] = logging
-    _run(ns, "check_smallest_update")
-    ns["smallest_update"] = lambda weight, dtype: table.get((weight, dtype), 1.0)
-    with pytest.raises(AssertionError, match="you predict"):
-        _run(ns, "check_smallest_update")
+    table_cheat_fails("06", "smallest_update", "check_smallest_update", 1.0, "you predict")
 
 
 def test_overflow_steps_move_between_runs():

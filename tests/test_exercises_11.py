@@ -4,7 +4,7 @@ run: an answer table logged in one run fails the next."""
 from __future__ import annotations
 
 import pytest
-from solution_code import _check_cell, solution_namespace
+from solution_code import _check_cell, solution_namespace, table_cheat_fails
 
 
 def _exec(ns: dict, check: str) -> None:
@@ -39,20 +39,7 @@ def test_a_table_of_one_runs_routes_fails_the_next():
 
 
 def test_a_table_of_one_runs_dispatch_bytes_fails_the_next():
-    ns = solution_namespace("11")
-    real, table = ns["padded_dispatch_bytes"], {}
-
-    def logging(*args):
-        table[args] = out = real(*args)
-        return out
-
-    ns["padded_dispatch_bytes"] = logging
-    _exec(ns, "check_padded_dispatch_bytes")
-    ns["padded_dispatch_bytes"] = lambda *args: table.get(args, 0)
-    for _ in range(3):  # one of about 9,000 layers is drawn per run: a miss within three runs is near certain
-        try:
-            _exec(ns, "check_padded_dispatch_bytes")
-        except AssertionError as e:
-            assert "you predict 0 bytes" in str(e), e
-            return
-    pytest.fail("three runs in a row drew layers the table already held")
+    # one of about 9,000 layers is drawn per run: a miss within three runs is near certain
+    table_cheat_fails(
+        "11", "padded_dispatch_bytes", "check_padded_dispatch_bytes", 0, "you predict 0 bytes", tries=3
+    )

@@ -4,7 +4,7 @@ logged in one run fails the next."""
 from __future__ import annotations
 
 import pytest
-from solution_code import _check_cell, solution_namespace
+from solution_code import _check_cell, solution_namespace, table_cheat_fails
 
 
 def _exec(ns: dict, check: str) -> None:
@@ -31,15 +31,4 @@ def test_a_table_of_one_runs_quantized_tensors_fails_the_next():
 
 
 def test_a_table_of_one_runs_bounds_fails_the_next():
-    ns = solution_namespace("12")
-    real, table = ns["error_bound"], {}
-
-    def logging(absmax):
-        table[absmax] = out = real(absmax)
-        return out
-
-    ns["error_bound"] = logging
-    _exec(ns, "check_error_bound")
-    ns["error_bound"] = lambda absmax: table.get(absmax, 0.0)
-    with pytest.raises(AssertionError, match="you predict errors up to 0"):
-        _exec(ns, "check_error_bound")
+    table_cheat_fails("12", "error_bound", "check_error_bound", 0.0, "you predict errors up to 0")

@@ -3,21 +3,8 @@ the next."""
 
 from __future__ import annotations
 
-import pytest
-from solution_code import _check_cell, solution_namespace
+from solution_code import table_cheat_fails
 
 
 def test_a_table_of_one_runs_times_fails_the_next():
-    ns = solution_namespace("16")
-    real, table = ns["allreduce_seconds"], {}
-
-    def logging(*args):
-        table[args] = out = real(*args)
-        return out
-
-    cell = compile(_check_cell("16", "check_multinode_all_reduce"), "<check>", "exec")
-    ns["allreduce_seconds"] = logging
-    exec(cell, ns)  # noqa: S102
-    ns["allreduce_seconds"] = lambda *args: table.get(args, 0.0)
-    with pytest.raises(AssertionError, match="expected"):
-        exec(cell, ns)  # noqa: S102
+    table_cheat_fails("16", "allreduce_seconds", "check_multinode_all_reduce", 0.0, "expected")

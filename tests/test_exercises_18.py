@@ -4,7 +4,7 @@ table logged in one run fails the next."""
 from __future__ import annotations
 
 import pytest
-from solution_code import _check_cell, solution_namespace
+from solution_code import _check_cell, solution_namespace, table_cheat_fails
 
 
 def _exec(ns: dict, check: str) -> None:
@@ -31,15 +31,5 @@ def test_a_table_of_one_runs_roundings_fails_the_next():
 
 
 def test_a_table_of_one_runs_scales_fails_the_next():
-    ns = solution_namespace("18")
-    real, table = ns["delayed_scale"], {}
-
-    def logging(history, amax, largest, length):
-        table[tuple(history), amax, largest, length] = out = real(history, amax, largest, length)
-        return out
-
-    ns["delayed_scale"] = logging
-    _exec(ns, "check_delayed_scale")
-    ns["delayed_scale"] = lambda h, a, big, n: table.get((tuple(h), a, big, n), (1.0, []))
-    with pytest.raises(AssertionError, match="returned"):
-        _exec(ns, "check_delayed_scale")
+    table_cheat_fails("18", "delayed_scale", "check_delayed_scale", (1.0, []), "returned",
+                      key=lambda h, a, big, n: (tuple(h), a, big, n))  # fmt: skip

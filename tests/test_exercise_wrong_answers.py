@@ -21,44 +21,7 @@ P = "import torch\nimport torch.distributed as dist\nfrom parallel_lab import co
 
 # (lesson, check, label, the learner's cell, what the message must say)
 WRONG = [
-    # ---- 01 collectives
-    ("01", "check_ring_all_reduce", "wraps the lab's ring", P + "def ring_all_reduce(ctx, t, group=None):\n    return comms.ring_all_reduce(ctx, t)\n", "switched off"),
-    ("01", "check_ring_all_reduce", "wraps the lab's ring, imported first",
-     P + "from parallel_lab.comms import ring_all_reduce as mine\ndef ring_all_reduce(ctx, t, group=None):\n    return mine(ctx, t)\n", "switched off"),
-    ("01", "check_ring_all_reduce", "wraps torch", P + "def ring_all_reduce(ctx, t, group=None):\n    dist.all_reduce(t)\n    return t\n", "switched off"),
-    ("01", "check_ring_all_reduce", "wraps torch's process group",
-     P + "def ring_all_reduce(ctx, t, group=None):\n    dist.group.WORLD.allreduce([t]).wait()\n    return t\n", "switched off"),
-    ("01", "check_ring_all_reduce", "sends whole tensors to everybody", P + '''
-def ring_all_reduce(ctx, t, group=None):
-    p, r = ctx.world_size, ctx.rank
-    total = t.clone()
-    for s in range(1, p):
-        got = torch.empty_like(t)
-        comms.sendrecv(ctx, t, (r + s) % p, got, (r - s) % p)
-        total += got
-    return t.copy_(total)
-''', "is not a ring"),
-    ("01", "check_ring_all_reduce", "adds into the wrong chunk", edit("01", "ring_all_reduce", "(r - s - 2) % p", "(r - s - 1) % p"), "wrong element"),
-    ("01", "check_ring_all_reduce", "subtracts", edit("01", "ring_all_reduce", "chunks[recv_k] += incoming", "chunks[recv_k] -= incoming"), "wrong element"),
-    ("01", "check_ring_all_gather", "wraps torch", P + '''
-def ring_all_gather(ctx, t, group=None):
-    out = [torch.empty_like(t) for _ in range(ctx.world_size)]
-    dist.all_gather(out, t)
-    return torch.stack(out)
-''', "switched off"),
-    ("01", "check_ring_all_gather", "wraps the lab's ring", P + "def ring_all_gather(ctx, t, group=None):\n    return comms.ring_all_gather(ctx, t)\n", "switched off"),
-    ("01", "check_ring_all_gather", "forwards the wrong row", edit("01", "ring_all_gather", "out[(r - s) % p]", "out[(r - s + 1) % p]"), "wrong element"),
-    ("01", "check_all_to_all", "wraps torch", P + '''
-def all_to_all(ctx, tensors, group=None):
-    out = [torch.empty_like(t) for t in tensors]
-    dist.all_to_all(out, list(tensors))
-    return out
-''', "switched off"),
-    ("01", "check_all_to_all", "wraps the lab's", P + "def all_to_all(ctx, tensors, group=None):\n    return comms.all_to_all(ctx, tensors)\n", "switched off"),
-    ("01", "check_all_to_all", "pieces in the wrong rank order", edit("01", "all_to_all", "return out", "return out[::-1]"), "wrong element"),
-    ("01", "check_ring_bytes", "the average for every rank", "def ring_bytes(n, p, rank, itemsize):\n    return 2 * (p - 1) * n * itemsize / p\n", "is the average"),
-    ("01", "check_ring_bytes", "wrong neighbour's chunk", edit("01", "ring_bytes", "c[(rank + 1) % p]", "c[(rank - 1) % p]"), "the ring sent"),
-    ("01", "check_ring_bytes", "reads the lab's formula", "from parallel_lab.comms import cost\ndef ring_bytes(n, p, rank, itemsize):\n    return cost.ring_bytes_per_rank(n, p, itemsize, 'all_reduce')[rank][0]\n", "switched off"),
+    # ---- 01 collectives: tests/test_exercises_01.py
     # ---- 02 memory
     ("02", "check_memory_calculator", "wraps the lab's formula",
      "from parallel_lab.costmodel import model_state_bytes\ndef memory_calculator(n, optimizer, precision):\n    return model_state_bytes(n, 1, 0, optimizer, precision)\n", "switched off"),

@@ -355,8 +355,10 @@ def test_grade_shows_the_learners_own_frames_full_messages_and_a_table(tmp_path)
     line; an unfinished exercise is 'not started'; the table lists every check; exit status 1."""
     nb = nbformat.read(REPO / "exercises" / "01_collectives.ipynb", as_version=4)
     for c in nb.cells:
-        if c.cell_type == "code" and "def ring_all_gather" in c.source:
-            c.source = "def ring_all_gather(ctx, tensor, group=None):\n    return comms.ring_all_gather(ctx, tensor)\n"
+        if c.cell_type == "code" and "def ring_all_gather_v" in c.source:
+            c.source = (
+                "def ring_all_gather_v(ctx, tensor, sizes):\n    return comms.ring_all_gather(ctx, tensor)\n"
+            )
     (tmp_path / "exercises").mkdir()
     path = tmp_path / "exercises" / "01_collectives.ipynb"
     nbformat.write(nb, path)
@@ -365,24 +367,22 @@ def test_grade_shows_the_learners_own_frames_full_messages_and_a_table(tmp_path)
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
     assert "parallel_lab.comms.ring.ring_all_gather is switched off while the check runs" in out
-    cell = (
-        'cell [4] "def ring_all_gather(ctx, tensor, group=None):"'  # as JupyterLab numbers it after Run All
-    )
-    assert f"{cell}, line 2, in ring_all_gather: return comms.ring_all_gather(ctx, tensor)" in out
+    cell = 'cell [4] "def ring_all_gather_v(ctx, tensor, sizes):"'  # as JupyterLab numbers it after Run All
+    assert f"{cell}, line 2, in ring_all_gather_v: return comms.ring_all_gather(ctx, tensor)" in out
     # the failing check cell, and the full signature of the function it grades
     assert (
-        '--- check 2, check_ring_all_gather: failed (the check is cell [5] "check_ring_all_gather(ring_all_gather)")'
+        '--- check 2, check_ring_all_gather_v: failed (the check is cell [5] "check_ring_all_gather_v(ring_all_gather_v)")'
         in out
     )
-    assert f"it grades ring_all_gather(ctx, tensor, group=None), defined in {cell}" in out
-    assert "exercise 1, ring_all_reduce(ctx, tensor, group=None). Hint: " in out  # a stub says what to write
+    assert f"it grades ring_all_gather_v(ctx, tensor, sizes), defined in {cell}" in out
+    assert "exercise 1, torus_all_reduce(ctx, tensor, rows). Hint: " in out  # a stub says what to write
     assert out.count("your code:") == 1, "an unfinished exercise shows no frame (the stub's raise is no news)"
     assert "grading/" not in out and "checks/" not in out, "no frame of the grader's own code"
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "check_" in line]
-    assert [r[1:] for r in rows] == [["check_ring_all_reduce", "not", "started"],
-                                     ["check_ring_all_gather", "failed"],
-                                     ["check_all_to_all", "not", "started"],
-                                     ["check_ring_bytes", "not", "started"]], out  # fmt: skip
+    assert [r[1:] for r in rows] == [["check_torus_all_reduce", "not", "started"],
+                                     ["check_ring_all_gather_v", "failed"],
+                                     ["check_all_to_all_v", "not", "started"],
+                                     ["check_torus_bytes", "not", "started"]], out  # fmt: skip
     assert out.rstrip().endswith("NOT PASSED")
 
 

@@ -18,10 +18,10 @@ _NS = solution_namespace("09")
 capped = _NS["one_f_one_b_capped"]
 bubble = _NS["bubble_fraction"]
 
-_GPIPE = "def one_f_one_b_capped(stage, stages, m, cap):\n    return [('F', i) for i in range(m)] + [('B', i) for i in range(m)]\n"
+_GPIPE = "def one_f_one_b_capped(stage, stages, m, caps):\n    return [('F', i) for i in range(m)] + [('B', i) for i in range(m)]\n"
 _NEWEST = """
-def one_f_one_b_capped(stage, stages, m, cap):
-    warm = min(stages - stage, cap, m) - 1
+def one_f_one_b_capped(stage, stages, m, caps):
+    warm = min(stages - stage, min(caps[: stage + 1]), m) - 1
     order, held = [], []
     for i in range(m):
         order.append(("F", i))
@@ -31,9 +31,9 @@ def one_f_one_b_capped(stage, stages, m, cap):
     return order + [("B", i) for i in reversed(held)]
 """
 _SPREAD = """
-def one_f_one_b_capped(stage, stages, m, cap):
+def one_f_one_b_capped(stage, stages, m, caps):
     # warm-ups spread evenly over the stages: another valid order (a smaller bubble, even), not the one asked
-    warm = min(-(-(stages - stage) * min(cap, stages) // stages), m) - 1
+    warm = min(-(-(stages - stage) * min(min(caps), stages) // stages), m) - 1
     order = [("F", i) for i in range(warm)]
     for i in range(m - warm):
         order += [("F", warm + i), ("B", i)]
@@ -44,12 +44,13 @@ STEP = "step = (m + p - 1) * t + 2 * (p - 1) * t_comm"
 
 WRONG = [
     # ---- exercise 1: 1F1B under a cap
-    ("09", "check_one_f_one_b_capped", "wraps the lab's 1F1B (cut to the cap)", "from parallel_lab.pipeline import order_1f1b\ndef one_f_one_b_capped(stage, stages, m, cap):\n    return order_1f1b(stage, min(stages, stage + cap), m)\n", "switched off"),
-    ("09", "check_one_f_one_b_capped", "wraps the lab's schedule builder", "from parallel_lab.pipeline import make_schedule\ndef one_f_one_b_capped(stage, stages, m, cap):\n    return [s for s in make_schedule('1f1b', stages, m)[stage] if s.kind in 'FB']\n", "switched off"),
-    ("09", "check_one_f_one_b_capped", "wraps the check's reference", "from parallel_lab.grading.checks.pipeline import _capped_1f1b\ndef one_f_one_b_capped(stage, stages, m, cap):\n    return _capped_1f1b(stage, stages, m, cap)\n", "switched off"),
-    ("09", "check_one_f_one_b_capped", "torch's schedule IR", "from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops\ndef one_f_one_b_capped(stage, stages, m, cap):\n    ops = get_schedule_ops('1F1B', stages, m)[stage]\n    return [(str(a.computation_type)[0], a.microbatch_index) for a in ops if a is not None]\n", "switched off"),
-    ("09", "check_one_f_one_b_capped", "torch's private 1F1B rank ops", "from torch.distributed.pipelining.schedules import _get_1f1b_rank_ops\ndef one_f_one_b_capped(stage, stages, m, cap):\n    return _get_1f1b_rank_ops(1, stages, stages - stage - 1, m, 0, stage, lambda s: s, lambda s: s)\n", "switched off"),
-    ("09", "check_one_f_one_b_capped", "plain 1F1B, the cap ignored", edit("09", "one_f_one_b_capped", "held = min(stages - stage, cap, microbatches)", "held = min(stages - stage, microbatches)"), "it ignores the cap"),
+    ("09", "check_one_f_one_b_capped", "wraps the lab's 1F1B (cut to the cap)", "from parallel_lab.pipeline import order_1f1b\ndef one_f_one_b_capped(stage, stages, m, caps):\n    return order_1f1b(stage, min(stages, stage + min(caps)), m)\n", "switched off"),
+    ("09", "check_one_f_one_b_capped", "wraps the lab's schedule builder", "from parallel_lab.pipeline import make_schedule\ndef one_f_one_b_capped(stage, stages, m, caps):\n    return [s for s in make_schedule('1f1b', stages, m)[stage] if s.kind in 'FB']\n", "switched off"),
+    ("09", "check_one_f_one_b_capped", "wraps the check's reference", "from parallel_lab.grading.checks.pipeline import _capped_1f1b\ndef one_f_one_b_capped(stage, stages, m, caps):\n    return _capped_1f1b(stage, stages, m, caps)\n", "switched off"),
+    ("09", "check_one_f_one_b_capped", "torch's schedule IR", "from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops\ndef one_f_one_b_capped(stage, stages, m, caps):\n    ops = get_schedule_ops('1F1B', stages, m)[stage]\n    return [(str(a.computation_type)[0], a.microbatch_index) for a in ops if a is not None]\n", "switched off"),
+    ("09", "check_one_f_one_b_capped", "torch's private 1F1B rank ops", "from torch.distributed.pipelining.schedules import _get_1f1b_rank_ops\ndef one_f_one_b_capped(stage, stages, m, caps):\n    return _get_1f1b_rank_ops(1, stages, stages - stage - 1, m, 0, stage, lambda s: s, lambda s: s)\n", "switched off"),
+    ("09", "check_one_f_one_b_capped", "plain 1F1B, the cap ignored", edit("09", "one_f_one_b_capped", "held = min(stages - stage, microbatches, min(caps[: stage + 1]))", "held = min(stages - stage, microbatches)"), "it ignores the caps"),
+    ("09", "check_one_f_one_b_capped", "each stage heeds its own cap only", edit("09", "one_f_one_b_capped", "min(caps[: stage + 1])", "caps[stage]"), "can the stages before it feed it"),
     ("09", "check_one_f_one_b_capped", "warm-up one too many", edit("09", "one_f_one_b_capped", "warmup = held - 1", "warmup = held"), "warm-up is one forward too long"),
     ("09", "check_one_f_one_b_capped", "GPipe's order", _GPIPE, "GPipe's order"),
     ("09", "check_one_f_one_b_capped", "backward of the newest micro-batch", _NEWEST, "backward of the oldest micro-batch"),
@@ -81,7 +82,7 @@ def test_the_solution_passes_with_one_fixed_line(capsys):
     run_check("09", "check_bubble_fraction")
     lines = capsys.readouterr().out.splitlines()  # the solution's other cells print too
     assert [line for line in lines if line.startswith("check_")] == [
-        "check_one_f_one_b_capped passed: 13 fixed and 24 drawn pipelines validated and simulated",
+        "check_one_f_one_b_capped passed: 15 fixed and 24 drawn pipelines validated and simulated",
         "check_bubble_fraction passed: 10 fixed and 30 drawn cases against the simulator",
     ]
 
@@ -91,7 +92,7 @@ def test_a_mismatch_names_the_call_and_shows_steps_around_it_only():
         run_check("09", "check_one_f_one_b_capped", _NEWEST)
     text = str(info.value)
     assert text.startswith(
-        "one_f_one_b_capped(stage=0, stages=4, microbatches=6, cap=4): first difference at step 4"
+        "one_f_one_b_capped(stage=0, stages=4, microbatches=6, caps=[4, 4, 4, 4]): first difference at step 4"
     )
     assert "steps 2..6: got F2 F3 B3 F4 B4, expected F2 F3 B0 F4 B1" in text
     assert "F5" not in text  # a window around the difference, not the whole expected list
@@ -100,14 +101,14 @@ def test_a_mismatch_names_the_call_and_shows_steps_around_it_only():
 # ----------------------------------------------------------------------------- malformed answers
 def test_malformed_lists_are_named():
     with pytest.raises(AssertionError, match="each step is"):
-        check_one_f_one_b_capped(lambda s, p, m, cap: [("X", 0)])
+        check_one_f_one_b_capped(lambda s, p, m, caps: [("X", 0)])
     with pytest.raises(AssertionError, match="return a list of steps"):
-        check_one_f_one_b_capped(lambda s, p, m, cap: "F0 B0")
+        check_one_f_one_b_capped(lambda s, p, m, caps: "F0 B0")
     with pytest.raises(AssertionError, match="F0 appears twice"):
-        check_one_f_one_b_capped(lambda s, p, m, cap: [("F", 0)] + capped(s, p, m, cap))
+        check_one_f_one_b_capped(lambda s, p, m, caps: [("F", 0)] + capped(s, p, m, caps))
     with pytest.raises(AssertionError, match="whose forward has not run"):
         check_one_f_one_b_capped(
-            lambda s, p, m, cap: [("B", i) for i in range(m)] + [("F", i) for i in range(m)]
+            lambda s, p, m, caps: [("B", i) for i in range(m)] + [("F", i) for i in range(m)]
         )
     with pytest.raises(AssertionError, match="must return a number"):
         check_bubble_fraction(lambda *a: str(bubble(*a)))
@@ -126,20 +127,32 @@ def test_unfinished_exercise_stays_not_implemented():
 
 
 # ----------------------------------------------------------------------------- the references
-def test_the_capped_reference_never_deadlocks_and_keeps_the_cap():
-    """The reference order is valid for every shape (validator with bound = cap, which also runs the
-    NCCL blocking-send model), holds exactly min(p, m, cap) at its fullest, and is plain 1F1B when
-    the cap is at least p."""
-    from parallel_lab.pipeline import add_comms, order_1f1b, validate_schedule
+def test_the_capped_reference_never_deadlocks_and_keeps_the_caps():
+    """The reference order is valid for every shape and caps (validator, which also runs the NCCL
+    blocking-send model), holds exactly min(p - s, m, the tightest cap up to s) on stage s at its
+    fullest, and is plain 1F1B when every cap is at least p. The slip of heeding only a stage's own
+    cap deadlocks whenever it differs from the reference."""
+    import random
 
-    for p in range(1, 9):
-        for m in range(1, 13):
-            for cap in range(1, p + 3):
-                orders = [checks._capped_1f1b(s, p, m, cap) for s in range(p)]
-                info = validate_schedule(add_comms(orders), m, bound=cap)
-                assert max(info["peak_in_flight"]) == min(p, m, cap), (p, m, cap)
-                if cap >= p:
-                    assert orders == [order_1f1b(s, p, m) for s in range(p)]
+    from parallel_lab.pipeline import ScheduleError, add_comms, order_1f1b, validate_schedule
+
+    rnd = random.Random(0)
+    shapes = [(p, m, (cap,) * p) for p in range(1, 7) for m in range(1, 10) for cap in range(1, p + 3)]
+    shapes += [(p, rnd.randint(1, 3 * p), tuple(rnd.randint(1, p + 2) for _ in range(p)))
+               for p in (rnd.randint(1, 9) for _ in range(300))]  # fmt: skip
+    deadlocks = 0
+    for p, m, caps in shapes:
+        orders = [checks._capped_1f1b(s, p, m, caps) for s in range(p)]
+        info = validate_schedule(add_comms(orders), m, bound=max(caps))
+        assert info["peak_in_flight"] == [min(p - s, m, min(caps[: s + 1])) for s in range(p)], (p, m, caps)
+        if min(caps) >= p:
+            assert orders == [order_1f1b(s, p, m) for s in range(p)]
+        own = [checks._own_cap_only(s, p, m, caps) for s in range(p)]
+        if own != orders:
+            with pytest.raises(ScheduleError):
+                validate_schedule(add_comms(own), m, bound=max(caps))
+            deadlocks += 1
+    assert deadlocks > 50
 
 
 def test_the_gpipe_latency_reference_is_the_simulators():
@@ -160,13 +173,16 @@ def _logged_then_replayed(check: str, name: str, replay) -> dict:
     ns = solution_namespace("09")
     real, table = ns[name], {}
 
+    def key(args):  # the caps come as a list
+        return tuple(tuple(a) if isinstance(a, list) else a for a in args)
+
     def logging(*args):
-        table[args] = out = real(*args)
+        table[key(args)] = out = real(*args)
         return out
 
     ns[name] = logging
     exec(compile(_check_cell("09", check), "<check>", "exec"), ns)  # noqa: S102
-    ns[name] = lambda *args: replay(table, args)
+    ns[name] = lambda *args: replay(table, key(args))
     with pytest.raises(AssertionError) as info:
         exec(compile(_check_cell("09", check), "<check>", "exec"), ns)  # noqa: S102
     return info

@@ -1,13 +1,15 @@
-"""Checks for lesson 09's exercises: 1F1B under an activation-memory cap, and GPipe's bubble when
-messages take time to arrive.
+"""Checks for lesson 09's exercises: 1F1B when every stage has its own activation-memory cap, and
+GPipe's bubble when messages take time to arrive.
 
-`one_f_one_b_capped(stage, stages, microbatches, cap)` is compared with the reference order
-(`_capped_1f1b`) on fixed shapes (cap 1, cap >= p, fewer micro-batches than stages, one stage) and
-on shapes drawn anew each grade run; then the whole pipeline is built from the learner's function
-(every stage), the sends and receives are inserted, and it runs through the validator (bound = cap)
-and the simulator: no deadlock, never more than cap micro-batches in flight on a stage, and the
-bubble of the reference order. The usual slips are named: the cap ignored (plain 1F1B), a warm-up
-of the wrong length, GPipe's order, the backward of the newest micro-batch instead of the oldest.
+`one_f_one_b_capped(stage, stages, microbatches, caps)` is compared with the reference order
+(`_capped_1f1b`) on fixed shapes (equal caps of 1, below p and above it, a tight cap on the first
+stage, on a middle one, on the last; fewer micro-batches than stages; one stage) and on shapes and
+caps drawn anew each grade run; then the whole pipeline is built from the learner's function (every
+stage), the sends and receives are inserted, and it runs through the validator and the simulator:
+no deadlock, never more than caps[s] micro-batches in flight on stage s, and the bubble of the
+reference order. The usual slips are named: the caps ignored (plain 1F1B), a stage that heeds only
+its own cap (the pipeline deadlocks), a warm-up of the wrong length, GPipe's order, the backward of
+the newest micro-batch instead of the oldest.
 
 `bubble_fraction(stages, microbatches, t_f, t_b, t_comm)` is compared with the bubble the simulator
 measures for GPipe when every message arrives t_comm after its send, on fixed edge cases and on
@@ -54,18 +56,19 @@ def switched_off() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- the references
-def _capped_1f1b(stage: int, stages: int, microbatches: int, cap: int) -> list:
-    """1F1B on one stage that may hold at most `cap` micro-batches' activations.
+def _capped_1f1b(stage: int, stages: int, microbatches: int, caps) -> list:
+    """1F1B on stage `stage` when stage s may hold at most `caps[s]` micro-batches' activations.
 
     At its fullest a 1F1B stage holds its warm-up forwards plus the first forward of the steady
     state (that forward runs before the first backward, and each later pair frees one for one).
-    Plain 1F1B fills stage s with p - s micro-batches; the cap and m may allow fewer. The warm-up
-    never grows from one stage to the next: if stage s+1 warmed up longer than stage s, it would need,
-    before its backward of some micro-batch k, a forward that stage s runs only after its own
-    backward of k, which waits for stage s+1's: a deadlock."""
+    Plain 1F1B fills stage s with p - s micro-batches; its cap and m may allow fewer. The warm-up
+    must never grow from one stage to the next: if stage s+1 warmed up longer than stage s, it would
+    need, before its backward of some micro-batch k, a forward that stage s runs only after its own
+    backward of k, which waits for stage s+1's: a deadlock. So a tight cap upstream shortens every
+    warm-up after it: the bound is the smallest cap of this stage and every stage before it."""
     from parallel_lab.pipeline import Step
 
-    held = min(stages - stage, cap, microbatches)  # micro-batches held at the fullest
+    held = min(stages - stage, min(caps[: stage + 1]), microbatches)  # micro-batches held at the fullest
     warmup = held - 1
     out = [Step("F", i) for i in range(warmup)]
     for i in range(microbatches - warmup):
@@ -87,10 +90,13 @@ def _gpipe_bubble(stages: int, microbatches: int, t_f: float, t_b: float, t_comm
 
 
 # ----------------------------------------------------------------------------- exercise 1
-#: (stages, microbatches, cap), in the order they are checked: the cap at p (plain 1F1B), below it,
-#: at 1, far above p; fewer micro-batches than stages; one stage; one micro-batch; longer pipelines
-_FIXED_1F1B = [(4, 6, 4), (4, 6, 2), (4, 6, 1), (4, 6, 9), (6, 3, 2), (6, 3, 6), (1, 1, 1), (1, 5, 3), (3, 1, 2),
-               (2, 7, 1), (5, 12, 4), (8, 16, 3), (8, 8, 8)]  # fmt: skip
+#: (stages, microbatches, caps), in the order they are checked: equal caps at p (plain 1F1B), below
+#: it, at 1, far above p; a tight cap on the last stage, a middle one, the first; fewer micro-batches
+#: than stages; one stage; one micro-batch; longer pipelines
+_FIXED_1F1B = [(4, 6, (4,) * 4), (4, 6, (2,) * 4), (4, 6, (1,) * 4), (4, 6, (9,) * 4), (4, 8, (4, 4, 4, 1)),
+               (4, 8, (4, 2, 4, 4)), (5, 10, (5, 5, 1, 5, 5)), (4, 8, (1, 4, 4, 4)), (6, 3, (2,) * 6),
+               (6, 3, (6, 5, 4, 3, 2, 1)), (1, 1, (1,)), (1, 5, (3,)), (3, 1, (2, 1, 2)), (2, 7, (1, 2)),
+               (8, 16, (8, 3, 8, 2, 8, 8, 8, 8))]  # fmt: skip
 _DRAWN_1F1B = 24
 
 
@@ -170,15 +176,25 @@ def _forwards_first(steps) -> int:
     return next((i for i, s in enumerate(steps) if s.kind == "B"), len(steps))
 
 
-def _diagnosis(got, want, stage: int, stages: int, m: int) -> str:
+def _own_cap_only(stage: int, stages: int, m: int, caps) -> list:
+    """The usual slip: the longest warm-up this stage's own cap allows, whatever the stages before it run."""
+    return _capped_1f1b(0, stages - stage, m, [caps[stage]])
+
+
+def _diagnosis(got, want, stage: int, stages: int, m: int, caps) -> str:
     """The mistake, named where it is a usual one ('' otherwise)."""
     from parallel_lab.pipeline import order_1f1b
 
     ahead, expected = _forwards_first(got), _forwards_first(want)
     if m > 1 and ahead == m and got != want:
         return f"All {m} forwards before any backward: that is GPipe's order, not 1F1B's."
+    if got == _own_cap_only(stage, stages, m, caps) and got != want:  # plain 1F1B too, where its cap allows it
+        return (
+            f"Stage {stage}'s own cap allows this warm-up, but can the stages before it feed it? "
+            "Follow the pipeline below: what does each stage wait for?"
+        )
     if got == order_1f1b(stage, stages, m) and got != want:
-        return "That is plain 1F1B's order: it ignores the cap."
+        return "That is plain 1F1B's order: it ignores the caps."
     if ahead != expected:
         many = ahead - expected
         word = "long" if many > 0 else "short"
@@ -203,12 +219,12 @@ def _oldest_first(got, want, i: int) -> str:
     return ""
 
 
-def _pipeline_outcome(orders, m: int, cap: int, want_bubble: float) -> str:
+def _pipeline_outcome(orders, m: int, caps, want_bubble: float) -> str:
     """What the whole pipeline built from these lists does (for a message)."""
     from parallel_lab.pipeline import ScheduleError, add_comms, simulate, validate_schedule
 
     try:
-        validate_schedule(add_comms(orders), m, bound=cap)
+        validate_schedule(add_comms(orders), m, bound=max(caps))
         sim = simulate(add_comms(orders))
     except ScheduleError as e:
         return f"The whole pipeline built from your function fails: {e}"
@@ -218,7 +234,7 @@ def _pipeline_outcome(orders, m: int, cap: int, want_bubble: float) -> str:
         return (
             f"The whole pipeline built from your function runs within the cap, with bubble {sim.bubble_fraction:.4f}, "
             f"smaller than the reference's {want_bubble:.4f}: a better schedule, but not the one asked for (a stage "
-            f"that plain 1F1B does not fit under the cap keeps the longest warm-up the cap allows)."
+            f"whose plain 1F1B order does not fit keeps the longest warm-up it can run within its cap)."
         )
     return (
         f"The whole pipeline built from your function runs, with bubble {sim.bubble_fraction:.4f} "
@@ -226,52 +242,52 @@ def _pipeline_outcome(orders, m: int, cap: int, want_bubble: float) -> str:
     )
 
 
-def _check_case(run, p: int, m: int, cap: int) -> None:
+def _check_case(run, p: int, m: int, caps) -> None:
     from parallel_lab.pipeline import ScheduleError, add_comms, simulate, validate_schedule
 
-    raw = run(p, m, cap)
-    wants = [_capped_1f1b(s, p, m, cap) for s in range(p)]
+    caps = list(caps)
+    raw = run(p, m, caps)
+    wants = [_capped_1f1b(s, p, m, caps) for s in range(p)]
     want_bubble = simulate(add_comms(wants)).bubble_fraction
-    orders = []
-    for s in range(p):
-        orders.append(
-            _as_steps(raw[s], f"one_f_one_b_capped(stage={s}, stages={p}, microbatches={m}, cap={cap})")
-        )
+
+    def where(s: int) -> str:
+        return f"one_f_one_b_capped(stage={s}, stages={p}, microbatches={m}, caps={caps})"
+
+    orders = [_as_steps(raw[s], where(s)) for s in range(p)]
     for s, (got, want) in enumerate(zip(orders, wants)):
-        where = f"one_f_one_b_capped(stage={s}, stages={p}, microbatches={m}, cap={cap})"
-        _require_complete(got, m, where)
+        _require_complete(got, m, where(s))
         peak, at = _peak(got)
-        if peak > cap:
+        if peak > caps[s]:
             raise AssertionError(
-                f"{where}: the stage holds {peak} micro-batches' activations at once (after step {at}), more than "
-                f"cap={cap}.\n  {_window(got, None, at)}\n  {_diagnosis(got, want, s, p, m)}".rstrip()
+                f"{where(s)}: the stage holds {peak} micro-batches' activations at once (after step {at}), more "
+                f"than its cap, caps[{s}] = {caps[s]}.\n  {_window(got, None, at)}\n  "
+                f"{_diagnosis(got, want, s, p, m, caps)}".rstrip()
             )
         if got != want:
             i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            named = _oldest_first(got, want, i) or _diagnosis(got, want, s, p, m)
+            named = _oldest_first(got, want, i) or _diagnosis(got, want, s, p, m, caps)
             raise AssertionError(
-                f"{where}: first difference at step {i}.\n  {_window(got, want, i)}\n  "
-                + "\n  ".join(x for x in (named, _pipeline_outcome(orders, m, cap, want_bubble)) if x)
+                f"{where(s)}: first difference at step {i}.\n  {_window(got, want, i)}\n  "
+                + "\n  ".join(x for x in (named, _pipeline_outcome(orders, m, caps, want_bubble)) if x)
             )
+    case = f"stages={p}, microbatches={m}, caps={caps}"
     try:  # unreachable when every list matches the reference; kept as the real judge
-        info = validate_schedule(add_comms(orders), m, bound=cap)
+        info = validate_schedule(add_comms(orders), m, bound=max(caps))
     except ScheduleError as e:
-        raise AssertionError(
-            f"stages={p}, microbatches={m}, cap={cap}: the pipeline built from your lists fails: {e}"
-        ) from None
+        raise AssertionError(f"{case}: the pipeline built from your lists fails: {e}") from None
     sim = simulate(add_comms(orders))
-    assert max(info["peak_in_flight"]) <= cap
+    assert all(peak <= cap for peak, cap in zip(info["peak_in_flight"], caps))
     assert abs(sim.bubble_fraction - want_bubble) < 1e-9, (
-        f"stages={p}, microbatches={m}, cap={cap}: simulated bubble {sim.bubble_fraction:.4f}, "
-        f"the reference's {want_bubble:.4f}"
+        f"{case}: simulated bubble {sim.bubble_fraction:.4f}, the reference's {want_bubble:.4f}"
     )
 
 
-def check_one_f_one_b_capped(fn: Callable[[int, int, int, int], list]) -> None:
-    """`fn(stage, stages, microbatches, cap)` -> the stage's 1F1B order holding at most `cap` micro-batches."""
+def check_one_f_one_b_capped(fn: Callable[[int, int, int, list], list]) -> None:
+    """`fn(stage, stages, microbatches, caps)` -> the stage's 1F1B order, stage s holding at most `caps[s]`
+    micro-batches."""
     require_callable(fn)
     run = guarded(
-        lambda p, m, cap: [fn(s, p, m, cap) for s in range(p)],
+        lambda p, m, caps: [fn(s, p, m, list(caps)) for s in range(p)],  # a copy each: a learner may edit it
         switched_off(),
         "this exercise (one_f_one_b_capped)",
     )
@@ -279,9 +295,9 @@ def check_one_f_one_b_capped(fn: Callable[[int, int, int, int], list]) -> None:
     drawn = []
     for _ in range(_DRAWN_1F1B):
         p = rnd.randint(1, 12)
-        drawn.append((p, rnd.randint(1, 3 * p), rnd.randint(1, p + 2)))
-    for p, m, cap in _FIXED_1F1B + drawn:
-        _check_case(run, p, m, cap)
+        drawn.append((p, rnd.randint(1, 3 * p), tuple(rnd.randint(1, p + 2) for _ in range(p))))
+    for p, m, caps in _FIXED_1F1B + drawn:
+        _check_case(run, p, m, caps)
     passed(
         "check_one_f_one_b_capped",
         f"{len(_FIXED_1F1B)} fixed and {_DRAWN_1F1B} drawn pipelines validated and simulated",

@@ -315,7 +315,7 @@ def test_check_memory_calculator_passes_a_right_answer(capsys):
 
     check_memory_calculator(_right_calculator)
     out = capsys.readouterr()
-    assert out.out == "check_memory_calculator passed: 48 configs vs the cost model, 4 measured steps\n"
+    assert out.out == "check_memory_calculator passed: 72 configs vs the cost model, 4 measured steps\n"
     assert out.err == ""
 
 

@@ -200,8 +200,8 @@ def test_three_d_checks_pass_the_right_answer(capsys):
     K.check_mesh_groups(_mesh_groups)
     K.check_comm_bytes_per_layer(_comm_bytes)
     assert capsys.readouterr().out.splitlines() == [
-        "check_mesh_groups passed: 57 meshes, 684 ranks",
-        "check_comm_bytes_per_layer passed: 160 cases, GPT-3's layer among them",
+        "check_mesh_groups passed: 60 meshes, 780 ranks",
+        "check_comm_bytes_per_layer passed: 168 cases, GPT-3's layer among them",
     ]
 
 

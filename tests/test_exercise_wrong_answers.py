@@ -44,17 +44,7 @@ def average_gradients(ctx, model):
     ("03", "check_ddp_grad_hook", "waits at once (no pending work)", edit("03", "ddp_grad_hook", "pending.append(dist.all_reduce(param.grad, async_op=True))", "dist.all_reduce(param.grad)"), "exactly one pending"),
     ("03", "check_ddp_bytes", "the average for every rank", "def ddp_bytes(b, p, rank, itemsize):\n    return 2 * (p - 1) * sum(b) * itemsize / p\n", "is the average"),
     ("03", "check_ddp_bytes", "one all-reduce of everything", "from parallel_lab import comms\ndef ddp_bytes(b, p, rank, itemsize):\n    n = sum(b); c = comms.chunk_sizes(n, p)\n    return (2 * n - c[rank] - c[(rank + 1) % p]) * itemsize\n", "the rank sent"),
-    # ---- 04 ZeRO
-    ("04", "check_zero1_step", "forgets to average", edit("04", "zero1_step", "shard.grad = grad / ctx.world_size", "shard.grad = grad"), "differ"),
-    ("04", "check_zero1_step", "wraps the lab's ZeRO", P + '''
-from parallel_lab.zero import optimizer as zo
-def zero1_step(ctx, flat_param, flat_grad, shard, optimizer):
-    zo.ZeroOptimizer.step(None)
-''', "switched off"),
-    ("04", "check_zero3_hooks", "keeps the gathered weights", edit("04", "zero3_hooks", "p.data = torch.empty(0)", "pass"), "free"),
-    ("04", "check_zero_state_bytes", "no padding", edit("04", "zero_state_bytes", "full = world_size * S", "full = numel"), "padded"),
-    ("04", "check_zero_state_bytes", "stage 2 keeps full gradients", edit("04", "zero_state_bytes", "S if stage >= 2 else full", "S if stage >= 3 else full"), "grad"),
-    ("04", "check_zero_state_bytes", "the lab's formula", "from parallel_lab.zero import meta\ndef zero_state_bytes(numel, n, stage):\n    return meta.expected_state_bytes(None, stage)\n", "switched off"),
+    # ---- 04 ZeRO: tests/test_exercises_04.py
     # ---- 05 offload
     ("05", "check_offloaded_step", "updates in 16 bits on the host", edit("05", "offloaded_step", "master.grad = to_host(p.grad).float()", "master.grad = to_host(p.grad).float().half().float() * 0"), "differ"),
     ("05", "check_offloaded_step", "sends fp32 weights up", edit("05", "offloaded_step", "to_device(master.detach().to(p.dtype))", "to_device(master.detach()).to(p.dtype)"), "bytes"),
@@ -146,29 +136,13 @@ def quantize(x):
     ("12", "check_error_bound", "a whole step", "def error_bound(absmax):\n    return absmax / 127\n", "loose"),
     ("12", "check_error_bound", "255 levels of 256", "def error_bound(absmax):\n    return absmax / 255 / 2\n", "quantizing made an error"),
     ("03", "check_ddp_grad_hook", "wraps the lab's BucketedDDP hook", "from parallel_lab.data_parallel.ddp import BucketedDDP\ndef ddp_grad_hook(ctx, param, pending):\n    BucketedDDP._on_grad(None, param)\n", "switched off"),
-    ("04", "check_zero3_hooks", "wraps the lab's ZeRO-3", "from parallel_lab.zero.stage3 import Zero3\ndef zero3_hooks(ctx, layer, shard, shapes):\n    Zero3._unit_pre(None, layer, ())\n", "switched off"),
     ("05", "check_offloaded_step", "wraps the lab's ZeRO-Offload", "from parallel_lab.offload import ZeroOffload\ndef offloaded_step(params, masters, optimizer, to_host, to_device):\n    ZeroOffload.step(None)\n", "switched off"),
     ("06", "check_master_weight_step", "wraps the lab's optimizer", "from parallel_lab.precision import MixedPrecisionOptimizer\ndef master_weight_step(params, masters, optimizer, scale):\n    return MixedPrecisionOptimizer.step(None)\n", "switched off"),
     ("07", "check_recompute", "wraps the lab's Function", "import torch\nfrom parallel_lab.checkpointing import recompute\nclass Recompute(torch.autograd.Function):\n    apply = staticmethod(lambda run, x: recompute._Recompute.forward(None, run, x))\n", "switched off"),
     ("08", "check_row_parallel_linear", "wraps the lab's layer", P + "from parallel_lab.tensor_parallel import RowParallelLinear\nclass RowParallelLinearFn(torch.autograd.Function):\n    apply = staticmethod(lambda x, w, b, ctx, group=None: RowParallelLinear.forward(None, x))\n", "switched off"),
     ("10", "check_comm_bytes_per_layer", "wraps the lab's formula", "from parallel_lab.tensor_parallel import tp_comm_bytes_per_layer\ndef comm_bytes_per_layer(b, s, h, tp, dp, itemsize=2):\n    return {'tp': tp_comm_bytes_per_layer(b, s, h, tp, itemsize), 'dp': 0}\n", "switched off"),
     ("11", "check_dispatch_combine", "wraps the lab's layer", P + "from parallel_lab.moe import expert_parallel as ep\ndef dispatch_combine(ctx, x, expert_tokens, expert_gates, experts):\n    return ep.ExpertParallelMoE._exact(None, x)\n", "switched off"),
-    # ---- 13 fault tolerance
-    ("13", "check_atomic_write", "writes in place", "def atomic_write(path, data):\n    with open(path, 'wb') as f:\n        f.write(data)\n", "instead of the old content"),
-    ("13", "check_atomic_write", "no fsync before the rename", edit("13", "atomic_write", "        os.fsync(f.fileno())  # on disk before the name points at it\n", ""), "call os.fsync"),
-    ("13", "check_atomic_write", "copies the temporary file over",
-     "import os, shutil\ndef atomic_write(path, data):\n    tmp = path + '.tmp'\n    with open(tmp, 'wb') as f:\n        f.write(data)\n        f.flush()\n        os.fsync(f.fileno())\n    shutil.copyfile(tmp, path)\n    os.remove(tmp)\n", "instead of the old content"),
-    ("13", "check_atomic_write", "leaves its temporary file", edit("13", "atomic_write", "    os.replace(tmp, path)  # atomic: readers see the old file or the new one", "    import shutil\n    shutil.copy(tmp, path)"), "left other files"),
-    ("13", "check_atomic_write", "wraps the lab's", "from parallel_lab.resilience.checkpoint import atomic_write as ours\ndef atomic_write(path, data):\n    ours(path, data)\n", "switched off"),
-    ("13", "check_resumable_sampler", "forgets the offset", edit("13", "Sampler", 'self.epoch, self.offset = state["epoch"], state["offset"]', 'self.epoch = state["epoch"]'), "handed out twice"),
-    ("13", "check_resumable_sampler", "stops at the end of an epoch", edit("13", "Sampler", "        while len(out) < k:", "        for _ in range(1):"), "returned"),
-    ("13", "check_resumable_sampler", "reshuffles on resume", edit("13", "Sampler", "g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)", "g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, (1,))))"), "expected"),
-    ("13", "check_resumable_sampler", "wraps the lab's", "from parallel_lab.resilience.sampler import ResumableSampler\nclass Sampler(ResumableSampler):\n    pass\n", "switched off"),
-    ("13", "check_best_interval", "checkpoints too often", "def best_interval(checkpoint_cost, mtbf):\n    return (checkpoint_cost * mtbf) ** 0.5 / 4\n", "it pays for more checkpoints"),
-    ("13", "check_best_interval", "once per failure", "def best_interval(checkpoint_cost, mtbf):\n    return mtbf\n", "each failure loses more work"),
-    ("13", "check_best_interval", "off by sqrt(2)", "def best_interval(checkpoint_cost, mtbf):\n    return (checkpoint_cost * mtbf) ** 0.5\n", "shorter than the one that wastes least"),
-    ("13", "check_best_interval", "a tuned constant", "def best_interval(checkpoint_cost, mtbf):\n    return 1300.0\n", "must come within 6%"),
-    ("13", "check_best_interval", "wraps the lab's", "from parallel_lab.resilience import young_daly_interval\ndef best_interval(checkpoint_cost, mtbf):\n    return young_daly_interval(checkpoint_cost, mtbf)\n", "switched off"),
+    # ---- 13 fault tolerance: tests/test_exercises_13.py
     # ---- 14 inference
     ("14", "check_cached_attention", "mask not shifted by the cached positions", edit("14", "cached_attention", "torch.arange(start, start + t)[:, None]", "torch.arange(t)[:, None]"), "(position 5)"),
     ("14", "check_cached_attention", "a query cannot see its own key", edit("14", "cached_attention", "[None, :] <= torch.arange", "[None, :] < torch.arange"), "its own included"),

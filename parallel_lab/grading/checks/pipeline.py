@@ -188,7 +188,9 @@ def _diagnosis(got, want, stage: int, stages: int, m: int, caps) -> str:
     ahead, expected = _forwards_first(got), _forwards_first(want)
     if m > 1 and ahead == m and got != want:
         return f"All {m} forwards before any backward: that is GPipe's order, not 1F1B's."
-    if got == _own_cap_only(stage, stages, m, caps) and got != want:  # plain 1F1B too, where its cap allows it
+    if (
+        got == _own_cap_only(stage, stages, m, caps) and got != want
+    ):  # plain 1F1B too, where its cap allows it
         return (
             f"Stage {stage}'s own cap allows this warm-up, but can the stages before it feed it? "
             "Follow the pipeline below: what does each stage wait for?"

@@ -67,6 +67,29 @@ POINTER_FILES = (
     "    _sync_dir(folder)\n    for name, data in files.items():\n        with open(os.path.join(d, name), 'wb') as f:\n"
     "            f.write(data)\n            f.flush()\n            os.fsync(f.fileno())\n    _sync_dir(d)\n"
 )
+DONE_READER = (
+    "def latest_checkpoint(folder):\n"
+    "    for s in sorted((int(n[5:]) for n in os.listdir(folder) if re.fullmatch(r'step-\\d+', n)), reverse=True):\n"
+    "        d = os.path.join(folder, f'step-{s:09d}')\n        if os.path.exists(os.path.join(d, '_DONE')):\n"
+    "            return s, {n: open(os.path.join(d, n), 'rb').read() for n in os.listdir(d) if n[0] != '_'}\n"
+    "    return None\n"
+)
+
+
+def _done_marker(sync_root: bool) -> str:
+    """Files written and fsync'ed into step-N/, step-N/ fsync'ed, then an empty _DONE marker made and never fsync'ed;
+    the root folder fsync'ed after the mkdir or not."""
+    return (
+        HEAD
+        + "def commit_checkpoint(folder, step, files):\n    d = os.path.join(folder, f'step-{step:09d}')\n"
+        "    shutil.rmtree(d, ignore_errors=True)\n    os.mkdir(d)\n"
+        + ("    _sync_dir(folder)\n" if sync_root else "")
+        + "    for name, data in files.items():\n        with open(os.path.join(d, name), 'wb') as f:\n"
+        "            f.write(data)\n            f.flush()\n            os.fsync(f.fileno())\n    _sync_dir(d)\n"
+        "    open(os.path.join(d, '_DONE'), 'w').close()\n" + DONE_READER
+    )
+
+
 RIGHT = {
     "a manifest written last, checked by the reader": _manifest(
         clear=CLEAR, mkdir="os.makedirs(d, exist_ok=True)", reader=VERIFYING
@@ -79,7 +102,7 @@ RIGHT = {
     + POINTER_READER,
     "a symlink switched by a rename": HEAD
     + "def commit_checkpoint(folder, step, files):\n    v = f'_v-{step:09d}'\n    d = os.path.join(folder, v)\n"
-    "    shutil.rmtree(d, ignore_errors=True)\n    os.mkdir(d)\n    for name, data in files.items():\n"
+    "    shutil.rmtree(d, ignore_errors=True)\n    os.mkdir(d)\n    _sync_dir(folder)\n    for name, data in files.items():\n"
     "        fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\n"
     "        os.write(fd, data)\n        os.fsync(fd)\n        os.close(fd)\n    _sync_dir(d)\n"
     "    tmp = os.path.join(folder, '_current.tmp')\n    if os.path.lexists(tmp):\n        os.unlink(tmp)\n"
@@ -92,6 +115,62 @@ RIGHT = {
     "    for name, data in files.items():\n        (tmp / name).write_bytes(data)\n    os.sync()\n"
     "    tmp.rename(Path(folder) / f'step-{step:09d}')\n    os.sync()\n" + HIGHEST_DIR,
 }
+
+
+def _sampler_edit(*pairs: tuple[str, str]) -> str:
+    """The solution's Sampler with each (old, new) replaced once."""
+    src = edit("13", "Sampler", *pairs[0])
+    for old, new in pairs[1:]:
+        assert old in src, old
+        src = src.replace(old, new, 1)
+    return src
+
+
+# a rank whose shard runs out fills its step from the next epoch's shard
+SPILL = _sampler_edit(
+    (
+        """        each, extra = divmod(len(self.dealt), self.world_size)
+        if self.read >= each + (extra > 0):""",
+        """        out = []
+        while len(out) < k:
+            out += self._take(k - len(out))
+        return out
+
+    def _take(self, k):
+        each, extra = divmod(len(self.dealt), self.world_size)
+        if self.read >= each + (extra > 0):""",
+    )
+)
+# the job's place kept in the class, per (n, seed): right while one job runs from start to end in one process
+CLASS_STATE = """_Ref = Sampler
+class Sampler:
+    JOBS = {}
+    def __init__(self, n, seed, rank, world_size):
+        self.key, self.rank, self.world_size = (n, seed), rank, world_size
+        Sampler.JOBS.setdefault(self.key, {"state": _Ref(n, seed, 0, world_size).state_dict(), "done": 0})
+    def take(self, k):
+        job = Sampler.JOBS[self.key]
+        s = _Ref(*self.key, self.rank, self.world_size)
+        s.load_state_dict(job["state"])
+        out = s.take(k)
+        job["done"] += 1
+        if job["done"] == self.world_size:
+            job["state"], job["done"] = s.state_dict(), 0
+        return out
+    def state_dict(self):
+        return {}
+    def load_state_dict(self, state):
+        pass
+"""
+# another right state: the indices read so far this epoch, not the places left
+READ_SET = _sampler_edit(
+    ('return {"epoch": self.epoch, "left": left}',
+     'perm = self.order(self.epoch).tolist()\n'
+     '        return {"epoch": self.epoch, "done": sorted(set(perm) - {perm[p] for p in left})}'),
+    ('self.epoch, self.dealt, self.read = int(state["epoch"]), [int(p) for p in state["left"]], 0',
+     'self.epoch, self.read, done = state["epoch"], 0, set(state["done"])\n'
+     '        self.dealt = [p for p, i in enumerate(self.order(self.epoch).tolist()) if i not in done]'),
+)  # fmt: skip
 
 WRONG = [
     # ---- exercise 1: commit_checkpoint and latest_checkpoint
@@ -112,6 +191,19 @@ WRONG = [
     ("check_commit_checkpoint", "no fsync of the files before the commit",
      edit("13", "commit_checkpoint", "            os.fsync(f.fileno())  # the bytes are on disk\n", ""),
      "were not fsync'ed"),
+    ("check_commit_checkpoint", "the step folder's own name never fsync'ed, a marker made last",
+     _done_marker(sync_root=False), "the name step-"),
+    ("check_commit_checkpoint", "a marker made last, its folder not fsync'ed after",
+     _done_marker(sync_root=True), "was not fsync'ed after it"),
+    ("check_commit_checkpoint", "fsync before the buffer is flushed",
+     edit("13", "commit_checkpoint", "            f.flush()\n", ""), "before f.flush()"),
+    ("check_commit_checkpoint", "everything pickled into one file, replaced atomically",
+     HEAD + "import pickle\ndef commit_checkpoint(folder, step, files):\n    tmp = os.path.join(folder, '_all.tmp')\n"
+     "    with open(tmp, 'wb') as f:\n        f.write(pickle.dumps((step, files)))\n        f.flush()\n"
+     "        os.fsync(f.fileno())\n    os.replace(tmp, os.path.join(folder, '_all'))\n    _sync_dir(folder)\n"
+     "def latest_checkpoint(folder):\n    p = os.path.join(folder, '_all')\n"
+     "    return pickle.loads(open(p, 'rb').read()) if os.path.exists(p) else None\n",
+     "under its own name"),
     ("check_commit_checkpoint", "no fsync of the new folder before the rename",
      edit("13", "commit_checkpoint", "    fsync_folder(incoming)  # and so are their names\n", ""),
      "was last fsync'ed"),
@@ -158,36 +250,37 @@ WRONG = [
          "13", "latest_checkpoint", "    return step, files", "    return _as_checkpoint((step, files))"),
      "switched off"),
     # ---- exercise 2: Sampler
-    ("check_elastic_sampler", "this rank's count saved, not the job's",
-     "import torch\nclass Sampler:\n    def __init__(self, n, seed, rank, world_size):\n"
-     "        self.n, self.seed, self.rank, self.world_size, self.mine = n, seed, rank, world_size, 0\n"
-     "    def order(self, epoch):\n        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)\n"
-     "        return torch.randperm(self.n, generator=g)\n    def take(self, k):\n        out = []\n"
-     "        for j in range(k):\n            e, p = divmod((self.mine + j) * self.world_size + self.rank, self.n)\n"
-     "            out.append((e, int(self.order(e)[p])))\n        self.mine += k\n        return out\n"
-     "    def state_dict(self):\n        return {'mine': self.mine}\n"
-     "    def load_state_dict(self, state):\n        self.mine = state['mine']\n",
-     "not how far one rank got"),
-    ("check_elastic_sampler", "a fixed share of each epoch (DistributedSampler's way)",
-     "import torch\nclass Sampler:\n    def __init__(self, n, seed, rank, world_size):\n"
-     "        self.n, self.seed, self.rank, self.world_size = n, seed, rank, world_size\n"
-     "        self.epoch, self.offset = 0, 0\n"
-     "    def order(self, epoch):\n        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)\n"
-     "        return torch.randperm(self.n, generator=g)\n    def take(self, k):\n        out = []\n"
-     "        while len(out) < k:\n            share = self.order(self.epoch)[self.rank::self.world_size].tolist()\n"
-     "            if self.offset >= len(share):\n                self.epoch, self.offset = self.epoch + 1, 0\n"
-     "                continue\n            out.append((self.epoch, share[self.offset]))\n            self.offset += 1\n"
-     "        return out\n    def state_dict(self):\n        return {'epoch': self.epoch, 'offset': self.offset}\n"
-     "    def load_state_dict(self, state):\n        self.epoch, self.offset = state['epoch'], state['offset']\n",
-     "DistributedSampler"),
+    ("check_elastic_sampler", "what was read taken for a prefix of the order (the lesson's running position)",
+     _sampler_edit(('return {"epoch": self.epoch, "left": left}', 'return {"epoch": self.epoch, "count": self.n - len(left)}'),
+                   ('[int(p) for p in state["left"]]', 'list(range(state["count"], self.n))')), "as if the"),
     ("check_elastic_sampler", "starts the epoch over on resume",
-     edit("13", "Sampler", 'self.position = int(state["position"])',
-          'self.position = int(state["position"]) // self.n * self.n'), "started the epoch over"),
-    ("check_elastic_sampler", "contiguous blocks, not interleaved",
-     edit("13", "Sampler", "self.position + self.rank + j * self.world_size",
-          "self.position + self.rank * k + j"), "contiguous block"),
-    ("check_elastic_sampler", "forgets the other ranks' share of the step",
-     edit("13", "Sampler", "self.position += self.world_size * k", "self.position += k"), "expected"),
+     _sampler_edit(('[int(p) for p in state["left"]]', 'list(range(self.n))')), "started the epoch over"),
+    ("check_elastic_sampler", "the old deal and its read count, cut anew for the new ranks",
+     _sampler_edit(('return {"epoch": self.epoch, "left": left}',
+                    'return {"epoch": self.epoch, "dealt": self.dealt, "read": self.read}'),
+                   ('self.epoch, self.dealt, self.read = int(state["epoch"]), [int(p) for p in state["left"]], 0',
+                    'self.epoch, self.dealt, self.read = state["epoch"], state["dealt"], state["read"]')),
+     "not how far each shard got"),
+    ("check_elastic_sampler", "only the last deal remembered",
+     _sampler_edit(('return {"epoch": self.epoch, "left": left}',
+                    'return {"epoch": self.epoch, "world": self.world_size, "read": self.read}'),
+                   ('self.epoch, self.dealt, self.read = int(state["epoch"]), [int(p) for p in state["left"]], 0',
+                    'w, t, n = state["world"], state["read"], self.n\n'
+                    '        q, m = divmod(n, w)\n'
+                    '        left = [p for r in range(w) for p in list(range(n))[r * q + min(r, m) : r * q + min(r, m) + q + (r < m)][t:]]\n'
+                    '        self.epoch, self.dealt, self.read = state["epoch"], left, 0')),
+     "forgot an earlier resume"),
+    ("check_elastic_sampler", "this rank's own leftovers saved, not the job's",
+     _sampler_edit(('return {"epoch": self.epoch, "left": left}',
+                    'start = self.rank * each + min(self.rank, extra)\n'
+                    '        return {"epoch": self.epoch, "left": self.dealt[start : start + each + (self.rank < extra)][self.read :]}')),
+     "samples left, in the order"),
+    ("check_elastic_sampler", "strided shards (DistributedSampler's cut)",
+     _sampler_edit(("self.dealt[start : start + each + (self.rank < extra)][self.read : self.read + k]",
+                    "self.dealt[self.rank :: self.world_size][self.read : self.read + k]")),
+     "DistributedSampler's own cut"),
+    ("check_elastic_sampler", "a step runs on into the next epoch", SPILL, "never runs into the next epoch"),
+    ("check_elastic_sampler", "keeps the job's place in a class attribute", CLASS_STATE, "from the same saved states"),
     ("check_elastic_sampler", "wraps the lab's ResumableSampler",
      "from parallel_lab.resilience import ResumableSampler\nclass Sampler:\n"
      "    def __init__(self, n, seed, rank, world_size):\n        self.s, self.r, self.w = ResumableSampler(n, seed), rank, world_size\n"
@@ -265,6 +358,28 @@ def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
 def test_other_right_commits_pass(label, capsys):
     run_check("13", "check_commit_checkpoint", RIGHT[label])
     assert "check_commit_checkpoint passed" in capsys.readouterr().out
+
+
+def test_another_right_sampler_state_passes(capsys):
+    """The state may say what was read (indices) instead of what is left (places): the check reads behaviour."""
+    run_check("13", "check_elastic_sampler", READ_SET)
+    assert "check_elastic_sampler passed" in capsys.readouterr().out
+
+
+def test_the_class_attribute_cheat_passes_one_job_at_a_time():
+    """The cheat the branch and the new job catch does follow the rule while one job runs alone: so those two
+    probes are what fails it, not something else."""
+    ns = solution_namespace("13")
+    exec(compile(CLASS_STATE, "<cheat>", "exec"), ns)  # noqa: S102
+    from parallel_lab.grading.checks.resilience import _Job
+
+    for n, world, ks, then in [(11, 3, [2, 1, 3, 2], 2), (7, 2, [3, 3, 1], 4)]:
+        job, ranks = _Job(n, 5, world), [ns["Sampler"](n, 5, r, world) for r in range(world)]
+        for k in ks:
+            assert [s.take(k) for s in ranks] == job.step(k)
+        job, ranks = job.resume(then), [ns["Sampler"](n, 5, r, then) for r in range(then)]
+        for k in ks:
+            assert [s.take(k) for s in ranks] == job.step(k)
 
 
 def test_the_checks_are_quick():

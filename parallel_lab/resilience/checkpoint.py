@@ -4,7 +4,9 @@ A checkpoint is a folder `step-000012/` with one file per rank (`rank-00001-of-0
 rank's shard of the training state) and `MANIFEST.json`, which rank 0 writes only after every
 rank's file is complete, listing each file's size and SHA-256. Each file is written to a
 temporary name, flushed and fsync'ed, then renamed over its final name (`os.replace`, atomic on
-POSIX), and the folder is fsync'ed so the rename itself survives a power loss.
+POSIX), and the folder is fsync'ed so the rename itself survives a power loss; the step folder's
+own name is fsync'ed into `root` when it is made, or a power loss could keep the files and lose the
+folder that holds them.
 
 So a crash at any moment leaves either a folder without a manifest (torn: skipped and reported)
 or a complete checkpoint; never a file that is half old and half new. Loading checks the
@@ -118,6 +120,7 @@ def save(ctx, root: str | os.PathLike, step: int, shard: dict, meta: dict | None
     d = step_dir(root, step)
     if ctx.rank == 0:
         d.mkdir(parents=True, exist_ok=True)
+        _fsync_dir(d.parent)  # the step folder's own name is on disk before anything inside it counts
     comms.dist_barrier(ctx)  # the folder exists for everyone
     buf = io.BytesIO()
     torch.save(shard, buf)
@@ -154,6 +157,7 @@ def write_files(root: str | os.PathLike, step: int, shards: list[bytes], meta: d
     ranks' serialized shards, each atomically, then the manifest. Same layout as `save`."""
     d = step_dir(root, step)
     d.mkdir(parents=True, exist_ok=True)
+    _fsync_dir(d.parent)  # the step folder's own name is on disk before anything inside it counts
     world = len(shards)
     files = {}
     for r, data in enumerate(shards):

@@ -1,20 +1,25 @@
-"""Checks for lesson 13's exercises: a checkpoint of several files committed at once, a sampler that
-survives a change of world size, the checkpoint interval when checkpoints are expensive.
+"""Checks for lesson 13's exercises: a checkpoint of several files committed at once, a sampler with a fixed
+share per rank resumed mid-epoch on another world size, the checkpoint interval when checkpoints are expensive.
 
 `commit_checkpoint(folder, step, files)` / `latest_checkpoint(folder)`: the commit runs in a forked
-child whose file-system calls (open for writing, write, fsync, rename, mkdir, unlink, ...) are counted;
-then it runs again, once per operation, killed before that operation (in the middle of it, for a
-write). After every crash `latest_checkpoint`, in the parent, must return the previous checkpoint or
+child whose file-system calls (open for writing, write, flush, fsync, rename, mkdir, unlink, ...) are
+counted; then it runs again, once per operation, killed before that operation (in the middle of it, for
+a write). After every crash `latest_checkpoint`, in the parent, must return the previous checkpoint or
 the new one, each whole and exactly as committed; then a new commit (the same step again when the
 crashed one did not count) must work among the crashed commit's debris. It runs for a first commit
 into an empty folder and for a second one over it. The commit point (the first operation after which
 a crash leaves the new checkpoint visible) must come after every byte and every name it makes visible
-was fsync'ed, and the folder where it happened must be fsync'ed before the commit returns: a power
-loss keeps only what was. Names, sizes, contents and step numbers are drawn every grade run (the
-steps cross a power of ten, so a reader that sorts names as text picks the older one).
-`Sampler(n, seed, rank, world_size)`: jobs on 1 to 5 ranks take steps of drawn sizes, are saved, and
-resume on as many, fewer and more ranks, each new rank loading the state of a drawn old rank; every
-rank's pairs are compared with the running sequence of `order(epoch)`, epoch after epoch.
+(files', folders' and links') was fsync'ed, bytes still in Python's buffer not counting as synced, and
+the folder where it made its name must be fsync'ed before the commit returns: a power loss keeps only
+what was. Each file must lie under its own name, holding exactly its bytes. Names, sizes, contents and
+step numbers are drawn every grade run (the steps cross a power of ten, so a reader that sorts names as
+text picks the older one).
+`Sampler(n, seed, rank, world_size)`: each epoch's samples are dealt into contiguous shards, one per rank,
+read k at a time in step; jobs on 1 to 5 ranks are saved (up to three times in one epoch, and as an epoch
+ends) and resumed on as many, fewer and more ranks, each new rank loading the state of a drawn old rank,
+where a resume deals the rest of the epoch among the new ranks. Every resume runs twice from the same
+states, and a new job follows the old ones, so a place kept outside the state shows. Every rank's pairs
+are compared with the rule's, step after step.
 `best_interval(checkpoint_cost, restart_cost, mtbf)` is compared with the interval that minimises the
 expected wall time per second of work of `simulate_goodput`'s failure process, solved exactly, within
 1%, for C/M from 1/20 to 2 (where sqrt(2 C M) is 11% to 111% long, and Daly's higher-order estimate
@@ -106,15 +111,20 @@ class _FsOps:
     """In a forked child: the file-system calls a commit makes, counted, logged and (at `crash_at`) fatal.
 
     Every call that changes the disk is one operation. Before each, it notes what would not survive a
-    power loss if that operation were the commit point: a file written since its last fsync, and a
-    file whose name was made in a folder that was not fsync'ed since (except the file the operation
-    itself renames). After each rename, mkdir or link it notes the folder that then holds the new name,
-    whose fsync before the commit returns makes the commit itself durable."""
+    power loss if that operation were the commit point: a file written since its last fsync (a write
+    still in Python's buffer counts from its flush: an fsync before it misses it), and a name (a file's,
+    a folder's, a link's) made in a folder that was not fsync'ed since (except the name the operation
+    itself renames). After each operation that makes a name (rename, mkdir, link, symlink, an open that
+    creates a file) it notes the folder that then holds it, whose fsync before the commit returns makes
+    the commit itself durable."""
 
     def __init__(self, root: str, crash_at: int | None) -> None:
         self.root, self.crash_at, self.n = os.path.realpath(root), crash_at, 0
         self.ops: list[dict] = []
         self.files: dict[tuple[int, int], dict] = {}  # (dev, inode) -> path, when named, written, synced
+        self.names: dict[
+            str, int
+        ] = {}  # folders, links and renamed-in names that are not files above -> when made
         self.synced: dict[tuple[int, int], int] = {}  # folder or file -> last operation that fsync'ed it
         self.everything = -1  # the last os.sync(), which writes out every file and folder
         self.real = {n: getattr(os, n) for n in (
@@ -141,22 +151,34 @@ class _FsOps:
         """Note operation number n (not yet done) and what a commit point here would leave unsynced."""
         i, self.n = self.n, self.n + 1
         problems = []
+        named = [(p, n) for p, n in self.names.items()]
         for f in list(self.files.values()):
-            if (
+            if f["buffered"] is not None or (
                 f["written"] is not None
                 and max(-1 if f["synced"] is None else f["synced"], self.everything) < f["written"]
             ):
-                problems.append(f"the bytes of {self.rel(f['path'])} were not fsync'ed")
-            if f["named"] is None or f["path"] == renames:
+                problems.append(
+                    f"the bytes of {self.rel(f['path'])} were not fsync'ed"
+                    + (
+                        " (an os.fsync that came before f.flush() missed the bytes Python still held in its "
+                        "buffer, not yet in the file)"
+                        if f["early"]
+                        else ""
+                    )
+                )
+            if f["named"] is not None:
+                named.append((f["path"], f["named"]))
+        for path, made in named:
+            if path == renames:
                 continue
             try:
-                folder = self.key(os.stat(os.path.dirname(f["path"])))
+                folder = self.key(os.stat(os.path.dirname(path)))
             except OSError:
                 continue
-            if max(self.synced.get(folder, -1), self.everything) < f["named"]:
+            if max(self.synced.get(folder, -1), self.everything) < made:
                 problems.append(
-                    f"the name {self.rel(f['path'])} was made after its folder "
-                    f"{self.rel(os.path.dirname(f['path'])) or '.'} was last fsync'ed"
+                    f"the name {self.rel(path)} was made after its folder "
+                    f"{self.rel(os.path.dirname(path)) or '.'} was last fsync'ed"
                 )
         self.ops.append({"text": text, "problems": problems, "holds": None})
         return i
@@ -168,7 +190,10 @@ class _FsOps:
             return k
         if path is None:
             path = os.readlink(f"/proc/self/fd/{fd}")
-        f = self.files.setdefault(k, {"path": path, "named": None, "written": None, "synced": None})
+        f = self.files.setdefault(
+            k,
+            {"path": path, "named": None, "written": None, "synced": None, "buffered": None, "early": False},
+        )
         if created:
             f["named"] = i
         if truncated:
@@ -179,18 +204,52 @@ class _FsOps:
         if k in self.files:
             self.files[k]["written"] = i
 
+    def buffered(self, k: tuple[int, int] | None, i: int) -> None:
+        """Write i went into Python's buffer: it reaches the file only at the next flush."""
+        if k in self.files:
+            self.files[k]["buffered"] = i
+
+    def flushed(self, k: tuple[int, int] | None) -> None:
+        """The buffer reached the file now, after every operation so far: only a later fsync covers it."""
+        if k in self.files and self.files[k]["buffered"] is not None:
+            self.files[k]["buffered"], self.files[k]["written"] = None, self.n
+
+    def made(self, path: str, i: int, what: tuple[int, int]) -> None:
+        """Operation i made the name `path` (not a file tracked above) in the folder `what`."""
+        self.names[path] = i
+        self.holds(i, what)
+
     def die(self) -> None:
         os._exit(_CRASHED)
 
     def moved(self, src: str, dst: str, i: int) -> None:
+        if src == dst:
+            return
         for k, f in list(self.files.items()):
-            if f["path"] == dst and src != dst:
+            if f["path"] == dst:
                 del self.files[k]  # replaced by the rename
+        self.names.pop(dst, None)
+        file = False
         for f in self.files.values():
             if f["path"] == src:
-                f["path"], f["named"] = dst, i
+                f["path"], f["named"], file = dst, i, True
             elif f["path"].startswith(src + os.sep):  # inside a renamed folder: its own name is unchanged
                 f["path"] = dst + f["path"][len(src) :]
+        names = {}
+        for p, made in self.names.items():
+            if p.startswith(src + os.sep):
+                names[dst + p[len(src) :]] = made
+            elif p != src:
+                names[p] = made
+        if not file:
+            names[dst] = i  # a folder, a link, or a file made before the commit: a new name all the same
+        self.names = names
+
+    def removed(self, p: str) -> None:
+        for k, f in list(self.files.items()):
+            if f["path"] == p:
+                del self.files[k]
+        self.names = {q: n for q, n in self.names.items() if q != p and not q.startswith(p + os.sep)}
 
     def holds(self, i: int, what: tuple[int, int]) -> None:
         self.ops[i]["holds"] = what
@@ -210,7 +269,10 @@ class _FsOps:
                 me.die()
             f = me.real_open(file, mode, *a, **k)
             fk = me.track(f.fileno(), path, not existed, "w" in mode, i)
-            raw_write = f.write
+            if path is not None and not existed:
+                me.holds(i, me.key(os.stat(os.path.dirname(path))))
+            raw_write, raw_flush, raw_close = f.write, f.flush, f.close
+            unbuffered = isinstance(f, io.RawIOBase)
 
             def write(b):
                 j = me.op(
@@ -218,13 +280,24 @@ class _FsOps:
                 )
                 if j == me.crash_at:
                     raw_write(b[: len(b) // 2])
-                    f.flush()
+                    raw_flush()
                     me.die()
                 out = raw_write(b)
-                me.wrote(fk, j)
+                (me.wrote if unbuffered else me.buffered)(fk, j)
                 return out
 
-            f.write = write
+            def flush():
+                out = raw_flush()
+                me.flushed(fk)
+                return out
+
+            def close():
+                if not f.closed:
+                    raw_flush()
+                    me.flushed(fk)
+                return raw_close()
+
+            f.write, f.flush, f.close = write, flush, close
             return f
 
         def os_open(path, flags, mode=0o777, *, dir_fd=None):
@@ -237,6 +310,8 @@ class _FsOps:
                 me.die()
             fd = r["open"](path, flags, mode, dir_fd=dir_fd)
             me.track(fd, p, not existed, bool(flags & os.O_TRUNC), i)
+            if not existed:
+                me.holds(i, me.key(os.stat(os.path.dirname(p))))
             return fd
 
         def os_write(fd, b):
@@ -261,6 +336,7 @@ class _FsOps:
                 me.synced[k] = i
                 if k in me.files:
                     me.files[k]["synced"] = i
+                    me.files[k]["early"] |= me.files[k]["buffered"] is not None
                 return out
 
             return sync
@@ -294,7 +370,7 @@ class _FsOps:
                 if i == me.crash_at:
                     me.die()
                 out = r[name](*args, dir_fd=dir_fd, **kw) if dir_fd is not None else r[name](*args, **kw)
-                me.holds(i, me.key(os.stat(os.path.dirname(p))))
+                me.made(p, i, me.key(os.stat(os.path.dirname(p))))
                 return out
 
             return make
@@ -306,9 +382,7 @@ class _FsOps:
                 if i == me.crash_at:
                     me.die()
                 out = r[name](path, dir_fd=dir_fd)
-                for k, f in list(me.files.items()):
-                    if f["path"] == p:
-                        del me.files[k]
+                me.removed(p)
                 return out
 
             return remove
@@ -450,6 +524,26 @@ def _fast_tmp() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
+def _own_names(folder: str, files: dict, call: str) -> None:
+    """Each committed file lies in the folder under its own name, holding exactly its bytes."""
+    found: dict[str, list[str]] = {}
+    for d, _, names in os.walk(folder):
+        for name in names:
+            found.setdefault(name, []).append(os.path.join(d, name))
+    for name, data in files.items():
+        held = []
+        for path in found.get(name, []):
+            with open(path, "rb") as f:
+                held.append(f.read())
+        if data not in held:
+            raise AssertionError(
+                f"after {call} returned, no file named {name!r} in the folder "
+                + (f"holds its {len(data)} bytes" if held else "exists")
+                + ": store each file under its own name, holding exactly its bytes (a checkpoint's files are "
+                "read one by one, by other tools too), not packed into one file of your own"
+            )
+
+
 def _crash_everywhere(commit, latest, top: Path, base: Path | None, before, step, files, again, label):
     """Commit (step, files) over a copy of `base` (or an empty folder), killed at each operation in turn;
     after each crash the reader must see `before` or the new checkpoint, and a new commit must work.
@@ -475,6 +569,7 @@ def _crash_everywhere(commit, latest, top: Path, base: Path | None, before, step
     assert ops, f"{label_call} changed nothing on disk"
     new = (step, files)
     _expect(_read(latest, clean, f"after {label_call}"), new, f"after {label_call}")
+    _own_names(clean, files, label_call)
     first_new = len(ops)
     for k in range(len(ops)):
         folder = fresh(f"{label}-crash-{k}")
@@ -578,165 +673,272 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-class _Running:
-    """Positions of the running sequence (epoch after epoch of order(epoch)) as (epoch, index)."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed, self.cache = n, seed, {}
-
-    def __getitem__(self, pos: int) -> tuple[int, int]:
-        e, o = divmod(pos, self.n)
-        if e not in self.cache:
-            self.cache[e] = _order(self.n, self.seed, e)
-        return e, self.cache[e][o]
+def _cut(rest: list[int], world: int, r: int) -> list[int]:
+    """Shard r of a deal of `rest` among `world` ranks: contiguous, in rank order, the first len % world one longer."""
+    q, m = divmod(len(rest), world)
+    lo = r * q + min(r, m)
+    return rest[lo : lo + q + (r < m)]
 
 
-def _pairs(got, k: int, where: str) -> list[tuple[int, int]]:
+class _Job:
+    """Where a job stands, by the exercise's rule: the epoch, the places of order(epoch) that its last deal
+    cut (in that order), the world size it cut them for, and how many of its shard each rank has read since."""
+
+    def __init__(self, n: int, seed: int, world: int) -> None:
+        self.n, self.seed, self.world = n, seed, world
+        self.epoch, self.rest, self.read = 0, list(range(n)), 0
+        self.perms: dict[int, list[int]] = {}
+
+    def perm(self, epoch: int) -> list[int]:
+        if epoch not in self.perms:
+            self.perms[epoch] = _order(self.n, self.seed, epoch)
+        return self.perms[epoch]
+
+    def longest(self) -> int:
+        return -(-len(self.rest) // self.world)
+
+    def step(self, k: int) -> list[list[tuple[int, int]]]:
+        if self.read >= self.longest():  # the last step emptied the longest shard: a new epoch, a new deal
+            self.epoch, self.rest, self.read = self.epoch + 1, list(range(self.n)), 0
+        perm = self.perm(self.epoch)
+        out = [[(self.epoch, perm[p]) for p in _cut(self.rest, self.world, r)[self.read : self.read + k]]
+               for r in range(self.world)]  # fmt: skip
+        self.read += k
+        return out
+
+    def left(self) -> list[int]:
+        return [p for r in range(self.world) for p in _cut(self.rest, self.world, r)[self.read :]]
+
+    def resume(self, world: int) -> _Job:
+        job = _Job(self.n, self.seed, world)
+        job.epoch, job.rest, job.perms = self.epoch, self.left(), self.perms
+        return job
+
+
+def _pairs(got, where: str) -> list[tuple[int, int]]:
     try:
-        out = [(int(e), int(i)) for e, i in got]
+        return [(int(e), int(i)) for e, i in got]
     except (TypeError, ValueError):
         raise AssertionError(f"{where}: return a list of (epoch, index) pairs") from None
-    assert len(out) == k, f"{where}: returned {len(out)} pairs, expected {k}"
-    return out
 
 
 def _sampler_plans(rnd: random.Random) -> list[tuple[int, int, list[tuple[int, list[int]]]]]:
-    """(n, seed, [(world_size, [k of each step]), ...]): a job's segments, resumed from one to the next."""
+    """(n, seed, [(world_size, [k of each step]), ...]): a job's segments, each resumed from the one before."""
 
     def steps(n: int, w: int, count: int) -> list[int]:
-        return [rnd.randint(1, max(1, (2 * n) // w + 1)) for _ in range(count)]
+        return [rnd.randint(1, max(1, -(-n // (2 * w)))) for _ in range(count)]
 
-    def n_for(*worlds: int) -> int:
-        while True:  # no world size divides n: an epoch ends inside a step
-            n = rnd.randint(5, 60)
+    def n_for(lo: int, hi: int, *worlds: int) -> int:
+        while True:  # no world size divides n: the shards differ in length
+            n = rnd.randint(lo, hi)
             if all(n % w for w in worlds if w > 1):
                 return n
 
     w = rnd.randint(2, 4)
-    n = n_for(w)
+    n = n_for(5, 40, w)
     plans = [
-        (n, rnd.getrandbits(20), [(w, steps(n, w, rnd.randint(3, 5)))]),  # a fresh job
-        (n, rnd.getrandbits(20), [(w, steps(n, w, 2)), (w, steps(n, w, 3))]),  # resumed on as many ranks
-        (4, 7, [(1, [3, 2]), (2, [1, 4])]),  # one rank, then two
-        (1, 0, [(3, [2]), (2, [1, 3])]),  # one sample: every position is an epoch of its own
+        (n, rnd.getrandbits(20), [(w, steps(n, w, rnd.randint(3, 6)))]),  # a fresh job, across an epoch's end
+        (n_for(9, 60, w), rnd.getrandbits(20), [(w, [1, 2]), (w, [2, 1, 3])]),  # resumed on as many ranks
+        (4, 7, [(1, [3, 2]), (2, [1, 4])]),  # one rank, saved as its epoch ended, then two
+        (1, 0, [(3, [2]), (2, [1, 3])]),  # one sample: most shards are empty
+        (10, rnd.getrandbits(20), [(2, [4]), (4, [1, 1])]),  # fewer samples left than new ranks
     ]
     big, small = rnd.randint(3, 5), rnd.randint(1, 2)
-    n = n_for(big, small)
+    n = n_for(2 * big + 1, 60, big, small)
     plans.append((n, rnd.getrandbits(20), [(big, steps(n, big, 2)), (small, steps(n, small, 3))]))  # fewer
-    a, b, c = rnd.randint(1, 3), rnd.randint(4, 5), rnd.randint(2, 3)
-    n = n_for(a, b, c)
-    plans.append((n, rnd.getrandbits(20), [(a, steps(n, a, 2)), (b, steps(n, b, 2)), (c, steps(n, c, 2))]))
+    a, b, c = rnd.randint(2, 3), rnd.randint(4, 5), rnd.randint(2, 3)
+    n = n_for(40, 120, a, b, c)
+    k = max(1, n // (6 * b))  # three resumes inside the first epoch
+    plans.append((n, rnd.getrandbits(20), [(a, [k, k]), (b, [k]), (c, [k, 1]), (a, steps(n, a, 3))]))
     return plans
 
 
+def _call(n: int, seed: int, r: int, world: int) -> str:
+    return f"Sampler(n={n}, seed={seed}, rank={r}, world_size={world})"
+
+
+def _steps(
+    off: dict, ranks: list, job: _Job, ks: list[int], where: Callable[[int, int, int], str],
+    prev: _Job | None = None, old: int | None = None,
+) -> None:  # fmt: skip
+    """Run steps `ks` on `ranks` against `job`; `prev`, `old`: the job as saved and its world size, at a resume."""
+    for i, k in enumerate(ks):
+        before = _Job(job.n, job.seed, job.world)
+        before.epoch, before.rest, before.read, before.perms = job.epoch, job.rest, job.read, job.perms
+        want = job.step(k)
+        got = [
+            _pairs(guarded(sampler.take, off, "this exercise (take)")(k), where(i, r, k))
+            for r, sampler in enumerate(ranks)
+        ]
+        for r in range(len(ranks)):
+            if got[r] != want[r]:
+                raise AssertionError(
+                    f"{where(i, r, k)} returned {_show(got[r])}, expected {_show(want[r])}; "
+                    + _sampler_mistake(before, k, r, got, want, prev if i == 0 else None, old)
+                )
+
+
+def _show(pairs: list) -> str:
+    return f"{pairs[:6]}{'...' if len(pairs) > 6 else ''}" if pairs else "[] (nothing)"
+
+
+def _sampler_mistake(
+    job: _Job, k: int, r: int, every: list, wanted: list, prev: _Job | None, old: int | None
+) -> str:
+    """Why rank r's pairs differ, as far as every rank's pairs of the step tell. `job`: the job before the step;
+    `prev`: the job as it was saved, where this is the first step after a resume; `old`: its world size."""
+    n, w, e = job.n, job.world, job.epoch
+    got, want = every[r], wanted[r]
+    if job.read >= job.longest():
+        e, rest, read = e + 1, list(range(n)), 0
+    else:
+        rest, read = job.rest, job.read
+
+    def pairs(places: list[int], epoch: int = e) -> list[tuple[int, int]]:
+        return [(epoch, job.perm(epoch)[p]) for p in places]
+
+    def model(rest: list[int], read: int) -> bool:
+        """Whether every rank's pairs are this step's, had the epoch been dealt `rest` and `read` of each shard read."""
+        m = _Job(n, job.seed, w)
+        m.epoch, m.rest, m.read, m.perms = job.epoch, rest, read, job.perms
+        return m.step(k) == every
+
+    if prev is not None and e == job.epoch and len(rest) < n:
+        told = (
+            f"the job was saved by {old} rank{'s' * (old > 1)} in the middle of epoch {e}, with {len(rest)} of its "
+            f"{n} samples not yet read, and resumed on {w}: "
+        )
+        if model(list(range(n)), 0):
+            return told + "this rank started the epoch over, so samples already read come again"
+        c = n - len(rest)
+        if model(list(range(c, n)), 0):
+            return told + (
+                f"it dealt the rest of order(epoch) from place {c} on, as if the {c} samples read were the first "
+                f"{c} of the order; but every rank read from its own shard, so what was read is the start of each "
+                "shard. The state must say which samples of the epoch are left"
+            )
+        if prev.rest != list(range(n)):
+            once = _Job(n, job.seed, prev.world)
+            once.epoch, once.read, once.perms = prev.epoch, prev.read, prev.perms
+            if model(once.left(), 0):
+                return told + (
+                    "it forgot an earlier resume in this epoch: the last deal was of what was left then, not of all "
+                    f"{n} samples, so what the state leaves out must count every deal of the epoch"
+                )
+        if any(model(base, prev.read) for base in (prev.rest, list(range(n)))):
+            return told + (
+                f"it cut the epoch for {w} ranks and skipped the {prev.read} of each shard that each old rank had "
+                f"read; but those were the shards of {old} ranks: the state must say which samples of the epoch are "
+                "left, not how far each shard got"
+            )
+        return told + (
+            f"a resume deals the {len(rest)} samples left, in the order of order(epoch), among the {w} ranks: "
+            f"contiguous shards in rank order, the first {len(rest) % w} of them one longer"
+        )
+    if any(pe == e + 1 for pe, _ in got) and len(want) < k:
+        return (
+            f"this rank's shard of epoch {e} has {len(want)} sample{'s' * (len(want) != 1)} left, and a step never runs "
+            "into the next epoch: take returns fewer pairs (or none), and the next epoch starts with the step after "
+            "the one that empties the longest shard, on every rank at once"
+        )
+    if any(pe == e + 1 for pe, _ in got):
+        return (
+            f"epoch {e} is not over: the longest shard still has samples, and the next epoch starts only after it is "
+            "empty, on every rank at once"
+        )
+    if w > 1 and every == [pairs(rest[rr::w][read : read + k]) for rr in range(w)]:
+        return (
+            f"that is one sample in every {w}, from place {r} on (DistributedSampler's own cut); here each rank's shard is a "
+            "contiguous run of the samples dealt, in rank order"
+        )
+    lengths = [len(_cut(rest, w, rr)) for rr in range(w)]
+    return (
+        f"epoch {e}'s deal cut {len(rest)} samples into {w} contiguous shards of {lengths} (in rank order, the first "
+        f"{len(rest) % w} one longer); this step reads places {read} to {read + k - 1} of each shard, and "
+        f"{'' if read else 'none of '}the earlier steps since the deal read the places before"
+    )
+
+
+def _resumed(
+    make: Callable, off: dict, n: int, seed: int, world: int, states: list[dict], src: list[int]
+) -> list:
+    """New ranks 0..world-1, new rank r loading the state old rank src[r] saved."""
+    out = []
+    for r in range(world):
+        sampler = make(n, seed, r, world)
+        guarded(sampler.load_state_dict, off, "this exercise (load_state_dict)")(states[src[r]])
+        out.append(sampler)
+    return out
+
+
+def _run_job(make: Callable, off: dict, rnd: random.Random, n: int, seed: int, segments: list) -> None:
+    """One job: its first segment fresh, each later one resumed from the states the one before saved."""
+    history: list[str] = []
+
+    def where(world: int, first: int = 0) -> Callable[[int, int, int], str]:
+        return lambda i, r, k: (f"n={n}, seed={seed}: {'; '.join(history)}; at step {first + i + 1} after that, "
+                                f"{_call(n, seed, r, world)}.take({k})")  # fmt: skip
+
+    world, ks = segments[0]
+    job, ranks = _Job(n, seed, world), [make(n, seed, r, world) for r in range(world)]
+    history.append(f"a job on {world} rank{'s' * (world > 1)}")
+    _steps(off, ranks, job, ks, where(world))
+    history[-1] += f", {len(ks)} step{'s' * (len(ks) > 1)} of k = {', '.join(map(str, ks))}"
+    for world, ks in segments[1:]:
+        states = []
+        for r, sampler in enumerate(ranks):
+            state = guarded(sampler.state_dict, off, "this exercise (state_dict)")()
+            try:
+                states.append(json.loads(json.dumps(state)))  # it goes into the checkpoint's files
+            except (TypeError, ValueError) as e:
+                raise AssertionError(
+                    f"{_call(n, seed, r, len(ranks))}.state_dict() must survive json.dumps: {e}"
+                ) from None
+        old, saved = len(ranks), job
+        src = [rnd.randrange(old) for _ in range(world)]
+        history.append(f"then saved, and resumed on {world} rank{'s' * (world > 1)}, each loading the state "
+                       f"that one of the {old} saved (new rank r loaded old rank {src})")  # fmt: skip
+        # a first copy of the resumed job takes one step and is dropped; the job itself then resumes from the
+        # same states: a place kept anywhere but in the state shows here
+        _steps(off, _resumed(make, off, n, seed, world, states, src), saved.resume(world), ks[:1], where(world),
+               saved, old)  # fmt: skip
+        job, ranks = saved.resume(world), _resumed(make, off, n, seed, world, states, src)
+        try:
+            _steps(off, ranks, job, ks[:1], where(world), saved, old)
+        except AssertionError as e:
+            raise AssertionError(
+                f"{e}. A first copy of this job, resumed from the same saved states, took this step right: where "
+                "the job stands must travel in the state it saved, not in anything the samplers share (a class or "
+                "module variable)"
+            ) from None
+        _steps(off, ranks, job, ks[1:], where(world, 1))
+        history[-1] += f", {len(ks)} step{'s' * (len(ks) > 1)} of k = {', '.join(map(str, ks))}"
+
+
 def check_elastic_sampler(Sampler: type) -> None:
-    """`Sampler(n, seed, rank, world_size)`: `take(k)` -> this rank's k (epoch, index) pairs of the job's
-    running sequence; a state saved by any rank of N resumes the job on M ranks exactly."""
+    """`Sampler(n, seed, rank, world_size)`: `take(k)` -> this rank's next k (epoch, index) pairs of its fixed shard of
+    the epoch; a state saved by any rank of N resumes the job on M ranks, the rest of the epoch dealt among them."""
     require_callable(Sampler, "Sampler")
     off = {**SAMPLER_FORBIDDEN, **family(_SELF)}
     make = guarded(Sampler, off, "this exercise (Sampler)")
     rnd = random.Random(draw_seed())
     plans = _sampler_plans(rnd)
     for n, seed, segments in plans:
-        seq, pos = _Running(n, seed), 0
-        ranks, history = [], []  # history: the job's segments so far, for the messages
-        for s, (world, ks) in enumerate(segments):
-            if s == 0:
-                ranks = [make(n, seed, r, world) for r in range(world)]
-                how = f"a job on {world} rank{'s' * (world > 1)}"
-            else:
-                states = []
-                for r, sampler in enumerate(ranks):
-                    state = guarded(sampler.state_dict, off, "this exercise (state_dict)")()
-                    try:
-                        states.append(json.loads(json.dumps(state)))  # it goes into the checkpoint's files
-                    except (TypeError, ValueError) as e:
-                        raise AssertionError(
-                            f"Sampler(n={n}, seed={seed}, rank={r}, world_size={len(ranks)}).state_dict() must "
-                            f"survive json.dumps: {e}"
-                        ) from None
-                old = len(ranks)
-                src = [rnd.randrange(old) for _ in range(world)]
-                ranks = []
-                for r in range(world):
-                    sampler = make(n, seed, r, world)
-                    guarded(sampler.load_state_dict, off, "this exercise (load_state_dict)")(states[src[r]])
-                    ranks.append(sampler)
-                how = (f"then saved, and resumed on {world} rank{'s' * (world > 1)}, each loading the state that one "
-                       f"of the {old} saved (new rank r loaded old rank {src})")  # fmt: skip
-            history.append(how)
-            for i, k in enumerate(ks):
-                got = []
-                for r, sampler in enumerate(ranks):
-                    where = (f"n={n}, seed={seed}: {'; '.join(history)}; at step {i + 1} after that, "
-                             f"Sampler(n={n}, seed={seed}, rank={r}, world_size={world}).take({k})")  # fmt: skip
-                    got.append(_pairs(guarded(sampler.take, off, "this exercise (take)")(k), k, where))
-                for r in range(world):
-                    want = [seq[pos + r + j * world] for j in range(k)]
-                    if got[r] != want:
-                        where = (f"n={n}, seed={seed}: {'; '.join(history)}; at step {i + 1} after that, "
-                                 f"Sampler(n={n}, seed={seed}, rank={r}, world_size={world}).take({k})")  # fmt: skip
-                        raise AssertionError(
-                            f"{where} returned {got[r][:6]}{'...' if k > 6 else ''}, expected "
-                            f"{want[:6]}{'...' if k > 6 else ''}; "
-                            + _sampler_mistake(seq, pos, world, k, r, got, old if s and not i else None)
-                        )
-                pos += world * k
-            history[-1] += f", {len(ks)} step{'s' * (len(ks) > 1)} of k = {', '.join(map(str, ks))}"
+        _run_job(make, off, rnd, n, seed, segments)
+    n, seed, ((world, ks),) = plans[0]
+    try:
+        _steps(off, [make(n, seed, r, world) for r in range(world)], _Job(n, seed, world), ks[:1],
+               lambda i, r, k: f"n={n}, seed={seed}: after that job ran, a new job on {world} ranks that loaded no "
+                               f"state: {_call(n, seed, r, world)}.take({k})")  # fmt: skip
+    except AssertionError as e:
+        raise AssertionError(
+            f"{e}. A new sampler starts its job at epoch 0, whatever ran before in this process: where a job stands "
+            "belongs to its samplers and their state, not to anything they share (a class or module variable)"
+        ) from None
     passed(
         "check_elastic_sampler",
-        "every rank's pairs continued the job's running order, resumed on fewer, as many and more ranks",
+        "every rank read its shard, and every resume dealt the rest of the epoch, on fewer, as many and more ranks",
     )
-
-
-def _sampler_mistake(seq: _Running, pos: int, world: int, k: int, r: int, got: list, old: int | None) -> str:
-    """Why rank r's pairs differ, as far as they tell: where the step's positions are, or what the resume
-    lost. `pos`: the job's position before the step; `old`: the world size that saved the state, where
-    this is the first step after a resume."""
-    n, mine = seq.n, got[r]
-    taken = {p: rr for rr, pairs in enumerate(got[:r]) for p in pairs}
-    twice = next((p for p in mine if p in taken), None)
-    head = f"{twice} was also taken by rank {taken[twice]} in this step. " if twice else ""
-    lo, hi = pos, pos + world * k
-    if old is not None:
-        start = pos - pos % n  # the epoch's start
-        if pos % n and mine == [seq[start + r + j * world] for j in range(k)]:
-            return (
-                head + "it started the epoch over: the state must bring back where in the epoch the job was"
-            )
-        if old != world:
-            return head + (
-                f"the job was saved by {old} rank{'s' * (old > 1)} and resumed on {world}: the state must say how far the whole "
-                f"job got in the running sequence ({pos} positions), not how far one rank got, so that ranks of "
-                "another world size can carry on from it"
-            )
-        return head + f"the state did not bring the job back to where it was ({pos} positions in)"
-    if world > 1 and mine == _fixed_shard(seq, r, world, k, pos // world):
-        return head + (
-            "that is rank r's fixed share of each epoch (every world_size-th sample of order(epoch), from r), as "
-            "torch's DistributedSampler takes it; here the job reads one running sequence that goes on across "
-            f"epochs: this step covers its positions {lo} to {hi - 1}, and rank {r} takes {lo + r}, {lo + r + world}, ..."
-        )
-    if world > 1 and mine == [seq[q] for q in range(lo + r * k, lo + (r + 1) * k)]:
-        return head + (
-            f"that is a contiguous block of the step's positions; rank {r} takes every {world}th: "
-            f"{lo + r}, {lo + r + world}, ... of the positions {lo} to {hi - 1}"
-        )
-    return head + (
-        f"this step covers positions {lo} to {hi - 1} of the running sequence (epoch after epoch of "
-        f"order(epoch), {n} positions each), and rank {r} takes {lo + r}, {lo + r + world}, ..."
-    )
-
-
-def _fixed_shard(seq: _Running, rank: int, world: int, k: int, own: int) -> list[tuple[int, int]]:
-    """Pairs own .. own + k - 1 of a rank that reads its fixed share of each epoch, DistributedSampler's way."""
-    if rank >= seq.n:
-        return []
-    out, e = [], 0
-    while len(out) < own + k:
-        out += [(e, i) for i in _order(seq.n, seq.seed, e)[rank::world]]
-        e += 1
-    return out[own : own + k]
 
 
 # ----------------------------------------------------------------------------- exercise 3: interval

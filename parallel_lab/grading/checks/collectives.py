@@ -2,13 +2,15 @@
 does not show.
 
 1. `torus_all_reduce(ctx, tensor, rows)`: the p ranks form a rows x cols grid (rank r at row r // cols,
-   column r % cols); every rank returns the sum over all ranks. Run on grids 1x1, 1x2, 2x1, 2x2 and one
-   of 2x3 / 3x2 (drawn), on 0, 1, 7 and 1001 elements (float32) and one size drawn per run (uneven splits at both
-   levels, bfloat16), small integers drawn per run: the sums compare exactly with torch's
-   all_reduce. The trace judges the algorithm: every message goes to a torus neighbour, a rank sends at
-   most 2(cols-1) + 2(rows-1) messages and at most the bytes of a two-level ring, and all ranks together
-   send exactly the bytes of a ring all-reduce (which the flat ring sends too: its peers and its message
-   count tell it apart).
+   column r % cols); every rank returns the sum over all ranks. Run on grids 1x1, 2x2, 2x3, 3x2, 1x4 and
+   4x1 (a ring of 4 has a member that is no neighbour: sending straight to every member of a row or column
+   fails there), on 1 and 1001 elements (float32; 0 and 7 too on 1x1 and 2x2) and one size drawn per run
+   (uneven splits at both levels, bfloat16), small integers drawn per run: the sums compare exactly with
+   the sum of every rank's input. The trace judges the algorithm: every message goes to a torus
+   neighbour, a rank sends at most 2(cols-1) + 2(rows-1) messages, all ranks together send exactly the
+   bytes of a ring all-reduce (which the flat ring sends too: its peers and its message count tell it
+   apart), and no rank sends more than the busiest rank of a two-level ring (each row and column spreads
+   its work evenly: a chain or tree through a column sends the right total but piles it on some ranks).
 2. `ring_all_gather_v(ctx, tensor, sizes)`: rank r holds sizes[r] elements; returns the concatenation in
    rank order. On 1 to 4 ranks with fixed and drawn sizes (0 included): exact result, sends only to the
    right and receives only from the left, and each rank sends exactly the bytes of the pieces a ring
@@ -24,12 +26,16 @@ Every message of the learner's function goes through a tap on `post_p2p` (the on
 messages): it records (peer, bytes) and matches the two ends of each message through the launch's store,
 so a receive buffer of the wrong size fails naming both sizes before any data moves (gloo would abort
 the process), and a message whose other end is never posted (a deadlock) fails after `WAIT_S` seconds
-naming the message, instead of hanging until the launch's timeout.
+naming the message, instead of hanging until the launch's timeout. The tap also keeps each rank's
+batches (one per post_p2p call) in posting order; after each case they are gathered through the store and
+run through `comms.check_blocking_sends`, NCCL's rules: an exchange that gloo lets through but that would
+hang on NCCL (an isend posted on its own before the irecv its peer waits for) fails naming the stuck batches.
 
 While the learner's function runs, torch's collectives (public, private and the c10d operators), the
-lab's own collectives, the byte formulas and this module's own helpers are switched off. Numbers, one
-size per grid and the grid 2x3 / 3x2 are drawn per grade run (`draw_seed`): a table of one run's
-answers fails the next.
+lab's own collectives (comms, and those of the MoE, ZeRO, tensor- and sequence-parallel modules and the
+scripts: every lab function whose name says it does one of these jobs), the byte formulas and this module's
+own helpers are switched off. Numbers and one size per grid are drawn per grade run (`draw_seed`): a
+table of one run's answers fails the next.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ WAIT_S = 5.0
 
 # ----------------------------------------------------------------------------- what is switched off
 _INSTEAD = "build it from comms.sendrecv / isend / irecv / send / recv"
-#: names of the jobs these exercises ask for, as torch spells them
+#: names of the jobs these exercises ask for, as torch and the lab spell them
 TORCH_JOB = re.compile(r"all_?reduce|all_?gather|all_?to_?all|reduce_?scatter", re.I)
 #: torch's modules holding functions or classes that do these jobs on tensors (found by
 #: tests/test_exercises_01.py in torch's source; compiler passes and torch's own tests are left out there)
@@ -120,7 +126,7 @@ def _torch_versions() -> dict[str, str]:
     out = dict(TORCH_COLLECTIVES)
     with warnings.catch_warnings():  # reading a module's names touches deprecated ones (dist.reduce_op)
         warnings.simplefilter("ignore")
-        _scan(out, importlib)
+        _scan(out, importlib, TORCH_MODULES)
     for op in torch._C._dispatch_get_all_op_names():
         namespace, _, name = op.partition("::")
         name = name.split(".")[0]
@@ -129,8 +135,8 @@ def _torch_versions() -> dict[str, str]:
     return out
 
 
-def _scan(out: dict[str, str], importlib) -> None:
-    for module in TORCH_MODULES:
+def _scan(out: dict[str, str], importlib, modules: tuple[str, ...]) -> None:
+    for module in modules:
         try:
             mod = importlib.import_module(module)
         except ImportError:
@@ -163,26 +169,57 @@ def _defined_in(cls: type, path: str | None) -> bool:
 
 
 _SELF = "parallel_lab.grading.checks.collectives"
-_LAB = {
-    **family(
-        "parallel_lab.comms.ring", "parallel_lab.comms.tree", "parallel_lab.comms.builtin", instead=_INSTEAD
-    ),
-    **family("parallel_lab.comms.cost", keep=("chunk_sizes",)),
-    "parallel_lab.costmodel.formulas.allreduce_bytes_per_rank": "",
-}
-FORBIDDEN = {**_LAB, **_torch_versions()}
+#: the lab's modules that hold one of these jobs among other code: only the functions, methods and classes
+#: whose names say the job are switched off (tests/test_exercises_01.py finds them in the lab's source)
+LAB_MODULES = (
+    "parallel_lab.data_parallel.naive",
+    "parallel_lab.scripts.collectives",
+    "parallel_lab.scripts.ddp",
+    "parallel_lab.tensor_parallel.sequence_parallel",
+)
+
+
+def _lab_versions() -> dict[str, str]:
+    """The lab's own collectives: comms' and the modules built on them for MoE (the all-to-all of uneven
+    pieces), ZeRO (rings over uneven pieces) and tensor parallelism, whole; in `LAB_MODULES` by name."""
+    import importlib
+
+    out = {
+        **family(
+            "parallel_lab.comms.ring",
+            "parallel_lab.comms.tree",
+            "parallel_lab.comms.builtin",
+            "parallel_lab.moe.expert_parallel",
+            "parallel_lab.zero.comm",
+            "parallel_lab.tensor_parallel.operators",
+            instead=_INSTEAD,
+        ),
+        **family("parallel_lab.comms.cost", keep=("chunk_sizes",)),
+        "parallel_lab.costmodel.formulas.allreduce_bytes_per_rank": "",
+    }
+    _scan(out, importlib, LAB_MODULES)
+    return out
+
+
+FORBIDDEN = {**_lab_versions(), **_torch_versions()}
+
+
+def _own() -> dict[str, str]:
+    """This module's own helpers (they compute the answers), but not the tap the learner's messages go
+    through: switched off around each call of the learner's function, inside a rank that has FORBIDDEN
+    switched off for its whole run (`_in_rank`: switching hundreds of names per call cost more than the
+    call, with 6 ranks on 2 cores)."""
+    global _OWN
+    if _OWN is None:
+        _OWN = family(_SELF, keep=("_Tap", "_Met"))
+    return _OWN
 
 
 def _off() -> dict[str, str]:
-    """FORBIDDEN and this module's own helpers (which compute the answers), but not the tap the
-    learner's messages go through."""
-    global _OFF
-    if _OFF is None:
-        _OFF = {**FORBIDDEN, **family(_SELF, keep=("_Tap", "_Met"))}
-    return _OFF
+    return {**FORBIDDEN, **_own()}
 
 
-_OFF: dict[str, str] | None = None
+_OWN: dict[str, str] | None = None
 #: predicting is not measuring: no launching ranks inside torus_bytes
 _NO_RUNS = {
     "parallel_lab.runtime.launch.launch": "predict the bytes from the sizes",
@@ -194,11 +231,11 @@ _NO_RUNS = {
 class _Tap:
     """Records every message the learner's function posts and matches its two ends through the store.
 
-    Ends pair up as NCCL and gloo pair them: the k-th non-empty message from a to b (with one tag) meets
-    the k-th non-empty receive at b from a (with that tag); empty tensors are no message (post_p2p skips
-    them). Each end writes its size under its own key, then reads the other end's: whichever end is
-    posted second sees the first and compares, before its message is posted, so no mismatched pair ever
-    moves data."""
+    Ends pair up as gloo pairs them (NCCL: posting order; tags ignored): the k-th non-empty message from a
+    to b with one tag meets the k-th non-empty receive at b from a with that tag; empty tensors are no
+    message (post_p2p skips them). Each end writes its size under its own key, then reads the other end's:
+    whichever end is posted second sees the first and compares, before its message is posted, so no
+    mismatched pair ever moves data. Each post is also kept as one batch, for `check_order`."""
 
     def __init__(self, ctx, case: int, mismatch_hint: str):
         from torch.distributed import distributed_c10d as c10d
@@ -207,6 +244,7 @@ class _Tap:
         self.me, self.case, self.hint = ctx.rank, case, mismatch_hint
         self.sends: list[tuple[int, int]] = []  # (dst, bytes), non-empty messages in posting order
         self.recvs: list[tuple[int, int]] = []  # (src, bytes)
+        self.batches: list[list[tuple[str, int]]] = []  # each post's non-empty messages, in posting order
         self.count: Counter = Counter()
 
     def _key(self, src: int, dst: int, tag: int, side: str) -> tuple[str, str, int]:
@@ -251,6 +289,8 @@ class _Tap:
                 self.store.set(mine, text)
                 (self.sends if side == "s" else self.recvs).append((peer, t.numel() * t.element_size()))
                 ends.append((other, side, peer, k, text))
+        if ends:
+            self.batches.append([("send" if e[1] == "s" else "recv", e[2]) for e in ends])
         for other, side, peer, k, text in ends:  # the other end, if posted already, must agree now
             if self.store.check([other]):
                 self._compare(side, peer, k, text, self.store.get(other).decode())
@@ -280,6 +320,49 @@ class _Tap:
                     f"in a send nobody receives"
                 ) from None
             self._compare(side, peer, k, text, self.store.get(other).decode())
+
+    def check_order(self, p: int) -> None:
+        """Gather every rank's batches through the store and hold them to NCCL's rules
+        (`comms.check_blocking_sends`): gloo runs each message on its own, so a posting order that hangs
+        NCCL can finish here. The last rank to get here sees every rank's batches; one that waits longer
+        than WAIT_S leaves the verdict to it."""
+        import json
+
+        from parallel_lab import comms
+
+        base = f"lesson01/{self.case}/batches"
+        self.store.set(f"{base}/{self.me}", json.dumps(self.batches))
+        keys = [f"{base}/{r}" for r in range(p)]
+        try:
+            self.store.wait(keys, timedelta(seconds=WAIT_S))
+        except Exception:
+            return
+        batches = [[[tuple(m) for m in b] for b in json.loads(self.store.get(k))] for k in keys]
+        try:
+            comms.check_blocking_sends(batches)
+        except RuntimeError as e:
+            stuck = "; ".join(
+                f"rank {r} at its batch [{', '.join(map(_message, _ITEM.findall(b)))}]"
+                for r, b in _STUCK.findall(str(e))
+            )
+            raise AssertionError(
+                f"on NCCL (the GPU backend) these messages would never finish, though gloo let them through: "
+                f"{stuck}. NCCL runs a rank's posts in the order it makes them (each comms call is one batch) "
+                "and a batch finishes only once every message in it has its other end posted; post the send "
+                "and the receive of one step together (comms.sendrecv, comms.isendrecv or comms.post_batch), "
+                "not as a comms.isend and a comms.irecv of their own"
+            ) from None
+
+
+_STUCK = re.compile(r"rank (\d+) in batch \[([^\]]*)\]")  # comms.check_blocking_sends' report
+_ITEM = re.compile(r"(send|recv) #(\d+) (\d+)->(\d+)")
+
+
+def _message(m: tuple[str, str, str, str]) -> str:
+    """('send', k, a, b) from comms.check_blocking_sends' report, in words."""
+    kind, k, a, b = m
+    what = f"send to rank {b}" if kind == "send" else f"receive from rank {a}"
+    return f"{what} (message {int(k) + 1} from rank {a} to rank {b})"
 
 
 class _Met:
@@ -335,7 +418,7 @@ def _call(fn: Callable, exercise: str, where: str, ctx, case: int, hint: str, *a
     """Run the learner's function with everything but point-to-point messages switched off."""
     with _tapped(ctx, case, hint) as tap:
         try:
-            with unavailable(_off(), f"this exercise ({exercise})"):
+            with unavailable(_own(), f"this exercise ({exercise})"):
                 got = fn(ctx, *args)
         except NotImplementedError:
             raise
@@ -343,6 +426,10 @@ def _call(fn: Callable, exercise: str, where: str, ctx, case: int, hint: str, *a
             raise AssertionError(f"{where}: {e or 'an assert in your function failed'}") from e
         except Exception as e:
             raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e}") from e
+        try:
+            tap.check_order(ctx.world_size)
+        except AssertionError as e:
+            raise AssertionError(f"{where}: {e}") from None
     return got, tap
 
 
@@ -363,9 +450,16 @@ def _first_difference(got, want: torch.Tensor, where: str) -> None:
         )
 
 
-def _launch(run: Callable, p: int, *args) -> list:
+def _in_rank(ctx, run: Callable, exercise: str, *args):
+    """`run` on this rank with FORBIDDEN switched off throughout: the check's own code between the
+    learner's calls uses no collective (expected sums are computed here, counts go through the store)."""
+    with unavailable(FORBIDDEN, f"this exercise ({exercise})"):
+        return run(ctx, *args)
+
+
+def _launch(run: Callable, p: int, exercise: str, *args) -> list:
     try:
-        return launch_learner(run, p, *args, timeout=60.0).values
+        return launch_learner(_in_rank, p, run, exercise, *args, timeout=60.0).values
     except Exception as e:
         if getattr(e, "exc_type", None) in ("AssertionError", "WriteItYourself"):  # our verdict, on a rank
             raise rank_verdict(e) from None
@@ -383,25 +477,21 @@ def _launch(run: Callable, p: int, *args) -> list:
 
 
 # ----------------------------------------------------------------------------- exercise 1: torus all-reduce
-def _grids(rnd: random.Random) -> tuple[tuple[int, int], ...]:
-    return (1, 1), (1, 2), (2, 1), (2, 2), rnd.choice(((2, 3), (3, 2)))
+#: (rows, cols): rings of 1 to 4 ranks either way round; in a ring of 4 one member is no neighbour
+GRIDS = ((1, 1), (2, 2), (2, 3), (3, 2), (1, 4), (4, 1))
 
 
 def _torus_sizes(rows: int, cols: int, rnd: random.Random) -> list[tuple[int, torch.dtype]]:
-    """0 and 1 element, 7 and 1001 (uneven in the row and in the column on every grid here), and one
-    size drawn per run, uneven at both levels where the grid allows it."""
+    """1 element (empty chunks at both levels), 1001 (uneven splits), and one size drawn per run, uneven
+    at both levels where the grid allows it; on the grids of 1 and 4 ranks also 7 and 0 (nothing to send).
+    Each case costs the ranks a few synchronisations: the bigger grids keep to the three that matter."""
     while True:
         n = rnd.randint(11, 999)
         c = -(-n // cols)
         if (cols == 1 or n % cols) and (rows == 1 or c % rows):
             break
-    return [
-        (7, torch.float32),
-        (0, torch.float32),
-        (1, torch.float32),
-        (1001, torch.float32),
-        (n, torch.bfloat16),
-    ]
+    small = [(7, torch.float32), (0, torch.float32)] if (rows, cols) in ((1, 1), (2, 2)) else []
+    return [*small, (1, torch.float32), (1001, torch.float32), (n, torch.bfloat16)]
 
 
 def _neighbours(r: int, rows: int, cols: int) -> set[int]:
@@ -424,18 +514,18 @@ def _torus_bound(n: int, rows: int, cols: int) -> int:
     return max(two(cols, rows), two(rows, cols))
 
 
-def _run_torus(ctx, fn: Callable, rows: int, seed: int) -> list[int]:
+def _run_torus(ctx, fn: Callable, rows: int, seed: int) -> int:
     p, r = ctx.world_size, ctx.rank
     cols = p // rows
-    rnd = random.Random(seed * 31 + p * 7 + rows)
-    out = []
-    for case, (n, dtype) in enumerate(_torus_sizes(rows, cols, rnd)):
+    sizes = _torus_sizes(rows, cols, random.Random(seed * 31 + p * 7 + rows))
+    for case, (n, dtype) in enumerate(sizes):
         salt = seed + 17 * case
         where = (f"torus_all_reduce(ctx, tensor, rows={rows}) on the {rows}x{cols} grid (p={p}), tensor of {n} "
                  f"{_dtype_name(dtype)} elements, {_at(r, cols)}")  # fmt: skip
         x = _data(r, n, dtype, ctx.device, salt)
-        want = x.clone()
-        dist.all_reduce(want)
+        want = sum(_data(q, n, torch.float64, ctx.device, salt) for q in range(p)).to(
+            dtype
+        )  # small integers: exact
         got, tap = _call(fn, "torus_all_reduce", where, ctx, case, "a receive buffer must hold exactly what "
                          "arrives", x.clone(), rows)  # fmt: skip
         if got is None:
@@ -455,11 +545,20 @@ def _run_torus(ctx, fn: Callable, rows: int, seed: int) -> list[int]:
         near = _neighbours(r, rows, cols)
         for peer, _ in [*tap.sends, *tap.recvs]:
             if peer not in near:
+                if (
+                    peer // cols == r // cols or peer % cols == r % cols
+                ):  # in its row or column, not beside it
+                    line = "row" if peer // cols == r // cols else "column"
+                    why = (f"it is in this rank's {line}, but not next to it: a message straight to every member "
+                           f"of a {line} skips the ranks between, whose links a torus has instead")  # fmt: skip
+                elif peer in ((r + 1) % p, (r - 1) % p):
+                    why = f"a ring through all {p} ranks in rank order jumps from the end of one row to the start of the next"
+                else:
+                    why = "it shares neither this rank's row nor its column"
                 raise AssertionError(
                     f"{where}: {_at(r, cols)} exchanged a message with {_at(peer, cols)}, which is not its "
                     f"torus neighbour: on a torus a rank talks only to the ranks next to it in its row (column "
-                    f"±1 mod {cols}) and in its column (row ±1 mod {rows}); a ring through all {p} ranks in rank "
-                    "order jumps from the end of one row to the start of the next"
+                    f"±1 mod {cols}) and in its column (row ±1 mod {rows}); {why}"
                 )
         most = 2 * (cols - 1) + 2 * (rows - 1)
         if len(tap.sends) > most:
@@ -468,15 +567,28 @@ def _run_torus(ctx, fn: Callable, rows: int, seed: int) -> list[int]:
                 f"{most} (2(cols-1) in its row, 2(rows-1) in its column): {2 * (p - 1)} is a ring through all "
                 f"{p} ranks"
             )
+        # every rank's bytes (through the store), to judge the total first (what crossed twice), then the spread
+        keys = [f"lesson01/{case}/sent/{q}" for q in range(p)]
+        tap.store.set(keys[r], str(sent))
+        tap.store.wait(keys, timedelta(seconds=30))
+        each = [int(tap.store.get(k)) for k in keys]
+        total, ring = sum(each), 2 * (p - 1) * n * x.element_size()
+        if total != ring:
+            raise AssertionError(
+                f"{where}: your {p} ranks together sent {total} bytes; a two-level ring all-reduce sends "
+                f"{ring} (as many as one ring through all ranks): "
+                + ("more means some data crossed twice: after its row's reduce-scatter a rank holds a shard, "
+                   "and only that shard crosses the column" if total > ring else "less means some never travelled")
+            )  # fmt: skip
         bound = _torus_bound(n, rows, cols) * x.element_size()
         if sent > bound:
             raise AssertionError(
-                f"{where}: this rank sent {sent} bytes, more than a two-level ring ever sends ({bound} bytes "
-                "at most): after its row's reduce-scatter a rank holds a shard, and only that shard crosses "
-                "the column"
+                f"{where}: this rank sent {sent} bytes, more than its share ({bound} bytes at most); your ranks "
+                f"sent {each}, the right total, but unevenly: in a two-level ring every row and every column "
+                "spreads its work evenly over its ranks, while a chain or a tree through a column (sum towards "
+                "one rank, then send the result back) sends the same total and piles it on the ranks between"
             )
-        out.append(sent)
-    return out
+    return len(sizes)
 
 
 def _which_sum(got, r: int, n: int, dtype, device, salt: int, rows: int, cols: int) -> str:
@@ -498,25 +610,9 @@ def check_torus_all_reduce(fn: Callable) -> None:
     """`fn(ctx, tensor, rows)` returns the sum of `tensor` over all ranks, talking only to torus neighbours."""
     require_callable(fn)
     seed = draw_seed() % 2**40
-    rnd = random.Random(seed)
-    cases = 0
-    for rows, cols in _grids(rnd):
-        p = rows * cols
-        sent = _launch(_run_torus, p, fn, rows, seed)
-        sizes = _torus_sizes(rows, cols, random.Random(seed * 31 + p * 7 + rows))
-        for case, (n, dtype) in enumerate(sizes):
-            total = sum(s[case] for s in sent)
-            want = 2 * (p - 1) * n * torch.tensor([], dtype=dtype).element_size()
-            if total != want:
-                raise AssertionError(
-                    f"torus_all_reduce(ctx, tensor, rows={rows}) on the {rows}x{cols} grid, tensor of {n} "
-                    f"{_dtype_name(dtype)} elements: your {p} ranks together sent {total} bytes; a two-level "
-                    f"ring all-reduce sends {want} (as many as one ring through all ranks): more means some "
-                    "data crossed twice (an all-reduce of the whole tensor in both directions), less that "
-                    "some never travelled"
-                )
-            cases += 1
-    passed("check_torus_all_reduce", "sums exact on 5 grids, every message to a torus neighbour")
+    for rows, cols in GRIDS:
+        _launch(_run_torus, rows * cols, "torus_all_reduce", fn, rows, seed)
+    passed("check_torus_all_reduce", f"sums exact on {len(GRIDS)} grids, every message to a torus neighbour")
 
 
 # ----------------------------------------------------------------------------- exercise 2: all-gather of uneven pieces
@@ -600,7 +696,7 @@ def check_ring_all_gather_v(fn: Callable) -> None:
     """`fn(ctx, tensor, sizes)` returns the concatenation, in rank order, of every rank's 1-D tensor."""
     require_callable(fn)
     seed = draw_seed() % 2**40
-    total = sum(_launch(_run_gather, p, fn, seed)[0] for p in (1, 2, 3, 4))
+    total = sum(_launch(_run_gather, p, "ring_all_gather_v", fn, seed)[0] for p in (1, 2, 3, 4))
     passed("check_ring_all_gather_v", f"all {total} cases on 1 to 4 ranks")
 
 
@@ -654,7 +750,7 @@ def check_all_to_all_v(fn: Callable) -> None:
     """`fn(ctx, tensors)`: `tensors[j]` (1-D, any length) goes to rank j; returns p tensors, [j] from rank j."""
     require_callable(fn)
     seed = draw_seed() % 2**40
-    total = sum(_launch(_run_a2a, p, fn, seed)[0] for p in (1, 2, 3, 4))
+    total = sum(_launch(_run_a2a, p, "all_to_all_v", fn, seed)[0] for p in (1, 2, 3, 4))
     passed("check_all_to_all_v", f"all {total} cases on 1 to 4 ranks")
 
 

@@ -87,7 +87,19 @@ RIGHT = {
         "sq = grad.double().square().sum().reshape(1)\n"
         "norm = comms.ring_all_gather(ctx, sq).sum().sqrt().item()"
     ),
-    (HOOKS, "the next layer gathered one layer ahead with a blocking ring all-gather"): P
+    # on 1 rank there is nothing to gather: the shard is the whole layer, and binding views of it allocates nothing
+    (HOOKS, "on 1 rank the shard itself, bound without a copy"): hooks(
+        "if ctx.world_size == 1:\n"
+        "    full, off = shards[i], 0\n"
+        "    for q, shape in zip(layers[i].parameters(), shapes[i]):\n"
+        "        q.data = full[off : off + shape.numel()].view(shape)\n"
+        "        off += shape.numel()\n"
+        "    return\n"
+        "if i not in inflight:\n    start(i)\nbind(i)\nif i + 1 < len(layers):\n    start(i + 1)"
+    ),
+}
+BLOCKING = (
+    P
     + """
 def zero3_prefetch_hooks(ctx, layers, shards, shapes):
     ready = {}
@@ -111,8 +123,36 @@ def zero3_prefetch_hooks(ctx, layers, shards, shapes):
 
     return [h for i, layer in enumerate(layers) for h in (
         layer.register_forward_pre_hook(lambda m, a, i=i: before(i, m, a)), layer.register_forward_hook(after))]
-""",
-}
+"""
+)
+# The answer through an all-reduce of the whole gradient, each rank keeping Adam for the whole model
+# (`honest`: on 1 rank the reference, so that the all-reduce's bytes are what fails on 2-4).
+REPLICATED = (
+    P
+    + """
+_whole = {{}}
+def zero1_clipped_step(ctx, flat_param, flat_grad, shard, optimizer, max_norm):
+    if {honest} and ctx.world_size == 1:
+        grad = comms.ring_reduce_scatter(ctx, flat_grad)
+        norm = comms.ring_all_reduce(ctx, grad.double().square().sum().reshape(1)).sqrt().item()
+        shard.grad = grad * min(1.0, max_norm / (norm + 1e-6))
+        optimizer.step()
+        shard.grad = None
+        return
+    avg = comms.ring_all_reduce(ctx, flat_grad.clone()) / ctx.world_size  # (N*S,) on every rank
+    comms.ring_all_reduce(ctx, torch.zeros(1, device=avg.device))  # the few numbers the budget expects
+    f = min(1.0, max_norm / (avg.norm().item() + 1e-6))
+    if not _whole:  # a copy of the weights before the first step, stepped by an Adam of its own
+        _whole["p"] = flat_param.detach().clone().requires_grad_()
+        _whole["opt"] = torch.optim.Adam([_whole["p"]], lr=0.05)
+    shard.grad = avg.view(ctx.world_size, -1)[ctx.rank] * f
+    optimizer.step()
+    shard.grad = None
+    _whole["p"].grad = avg * f
+    _whole["opt"].step()
+    flat_param.copy_(_whole["p"].detach())
+"""
+)
 WRONG = [
     # ---- exercise 1: ZeRO-1 with gradient clipping
     ("check_zero1_clipped_step", "clips by the local slice's norm",
@@ -142,6 +182,10 @@ WRONG = [
     ("check_zero1_clipped_step", "sends the norm around parallel_lab.comms",
      step("sq = grad.double().square().sum().reshape(1)\ndist.all_reduce(sq)\nnorm = sq.sqrt().item()"),
      "send it through parallel_lab.comms"),
+    ("check_zero1_clipped_step", "all-reduces the gradient and keeps Adam for the whole model",
+     REPLICATED.format(honest=False), "never for the whole model"),
+    ("check_zero1_clipped_step", "all-reduces the gradient (Adam for the whole model on 2-4 ranks)",
+     REPLICATED.format(honest=True), "leaves the whole averaged gradient on every rank"),
     ("check_zero1_clipped_step", "clips each rank's gradient before the reduce-scatter",
      P + "def zero1_clipped_step(ctx, flat_param, flat_grad, shard, optimizer, max_norm):\n"
      "    g = flat_grad * min(1.0, max_norm / (flat_grad.norm().item() + 1e-6))\n"
@@ -208,6 +252,8 @@ def zero3_prefetch_hooks(ctx, layers, shards, shapes):
     return [h for i, layer in enumerate(layers) for h in (
         layer.register_forward_pre_hook(lambda m, a, i=i: before(i, m, a)), layer.register_forward_hook(after))]
 ''', "had been posted"),
+    ("check_zero3_prefetch_hooks", "the next layer gathered one layer ahead with a blocking ring all-gather",
+     BLOCKING, "had already been received and waited for"),
     ("check_zero3_prefetch_hooks", "gathers the prefetched layer a second time",
      hooks("if i not in inflight:\n    start(i)\nbind(i)\nstart(i)\nbind(i)\nif i + 1 < len(layers):\n    start(i + 1)"),
      "a layer was gathered twice"),
@@ -495,3 +541,27 @@ def test_torchs_own_versions_of_an_exercise_are_switched_off(job):
             missing.setdefault(module, []).append(name)
     assert found, "the search finds nothing: torch's layout changed"
     assert not missing, f"torch functions doing an exercise's job, not switched off: {missing}"
+
+
+def test_the_message_log_leaves_torch_distributed_alone():
+    """The prefetch check logs messages at parallel_lab.comms' posting point, not by replacing torch.distributed's
+    functions: on NCCL the lab posts `dist.P2POp(dist.irecv, ...)`, which accepts torch's own irecv only."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel_lab.comms import core
+    from parallel_lab.grading.checks import zero
+    from parallel_lab.runtime.launch import launch
+
+    names = ("isend", "irecv", "batch_isend_irecv", "all_gather", "broadcast")
+    real = {n: getattr(dist, n) for n in names}
+    real_post = core.post_p2p
+
+    def build(ctx):
+        with zero._PostLog():
+            assert all(getattr(dist, n) is real[n] for n in names)
+            assert core.post_p2p is not real_post  # what is wrapped is the lab's posting point
+            return type(dist.P2POp(dist.irecv, torch.zeros(1), 0)).__name__
+
+    assert launch(build, 1, timeout=30.0).values == ["P2POp"]
+    assert core.post_p2p is real_post

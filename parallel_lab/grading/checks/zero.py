@@ -6,14 +6,17 @@ with a parameter count drawn every grade run (no rank count 2-4 divides it), wit
 gradients and `max_norm` drawn so that some steps clip, some do not, and one has a norm of the
 order of clip_grad_norm_'s epsilon. The gradient each rank's optimizer steps with must be its
 slice of what `torch.nn.utils.clip_grad_norm_` leaves of the averaged gradient on one process,
-the parameters those of one process, and the bytes a ring all-reduce's plus a few numbers.
+the parameters those of one process, the bytes a ring all-reduce's plus a few numbers (an
+all-reduce of more than those is refused), and what the calls leave alive on a rank at most Adam's
+states for its slice plus a slice or two (memory tracked).
 
 `check_zero3_prefetch_hooks(fn)`: `fn(ctx, layers, shards, shapes)` installs hooks on 4 Linear
 layers (widths drawn every grade run) so that each layer's parameters are gathered before it
 runs and freed after, with the next layer's gather started before the current layer computes.
-The output must equal the unsharded model's bit for bit, at most two layers' parameters may be
-alive at any moment, and none after the pass; on 2-4 ranks the next layer's messages must have
-been posted before the current layer computes, and each layer's slices arrive once.
+The output must equal the unsharded model's bit for bit on the CPU (within `_TOL` on a GPU), at
+most two layers' parameters may be alive at any moment, and none after the pass; on 2-4 ranks a
+receive of the next layer's slices must have been posted, and not yet waited for, when the current
+layer begins to compute, and each layer's slices arrive once.
 
 `check_zero_state_bytes(fn)`: `fn(numel, world_size, stage, optimizer, precision)` predicts the
 model-state bytes one rank keeps after a step of SGD (with and without momentum) in fp32 and in
@@ -175,7 +178,9 @@ def _call_learner(fn: Callable, where: str, *args):
 
 # ----------------------------------------------------------------------------- ZeRO-1, clipped
 _STEPS = ("clip", "clip", "free", "free", "tiny")  # shuffled per world size: kinds of step
-_SCALARS = 16  # "a few numbers": bytes beyond the ring all-reduce, per rank, at most 16 floats' worth
+#: "a few numbers": beyond the reduce-scatter and the all-gather a rank may send and receive at most
+#: 16 floats' worth per rank of the world (`_SCALARS * 4 * world_size` bytes), and all-reduce as much
+_SCALARS = 16
 
 
 def _draw_numel(rnd: random.Random) -> int:
@@ -241,7 +246,7 @@ def _zero1_case(ctx, fn: Callable, seed: int, numel: int) -> float:
         lambda o, a, k: seen.append(shard.grad.detach().cpu().clone() if shard.grad is not None else None)
     )
     learner = _guarded_call(fn, CLIP_FORBIDDEN, "zero1_clipped_step")
-    clipped, bytes_wrong = [], None
+    clipped, bytes_wrong, grown = [], None, 0  # grown: bytes the calls left alive, all steps together
     for step, kind in enumerate(kinds):
         grads = torch.randn(p, numel, generator=torch.Generator().manual_seed(seed + 100 * step + 1))
         grads *= 10 ** rnd.uniform(-1, 1)  # (N, Ψ) every rank's gradient, at a drawn scale
@@ -262,10 +267,15 @@ def _zero1_case(ctx, fn: Callable, seed: int, numel: int) -> float:
         call = f"zero1_clipped_step(ctx, flat_param, flat_grad, shard, optimizer, max_norm={max_norm!r})"
         where = f"world_size={p}, rank {r}, {numel} parameters padded to {padded}, step {step}: {call}"
         totals = ctx.recorder.comm_totals()
-        before = (totals["sent"], totals["recv"])
+        before = (totals["sent"], totals["recv"], _reduced(totals))
+        alive = ctx.memory.total()
         _call_learner(learner, where, ctx, flat_param, flat_grad, shard, opt, max_norm)
+        # (the check's own copy of the gradient stepped with, made inside the call, is not the learner's)
+        mine = seen[-1] if len(seen) > step and ctx.device.type == "cpu" and seen[-1] is not None else None
+        grown += ctx.memory.total() - alive - (0 if mine is None else mine.numel() * mine.element_size())
         totals = ctx.recorder.comm_totals()
         sent, recv = totals["sent"] - before[0], totals["recv"] - before[1]
+        reduced = _reduced(totals) - before[2]
         assert len(seen) == step + 1 and seen[-1] is not None, (
             f"{where}: call optimizer.step() once, with shard.grad set to this rank's slice of the clipped, "
             "averaged gradient"
@@ -312,6 +322,13 @@ def _zero1_case(ctx, fn: Callable, seed: int, numel: int) -> float:
                 + (" (that is as much as the gradient slices themselves: send their sums of squares, not the "
                    "slices)" if max(extra) >= 4 * (padded - shard_n) else "")
             )  # fmt: skip
+        elif bytes_wrong is None and reduced > limit:
+            bytes_wrong = (
+                f"{where}: this rank all-reduced {reduced:,} bytes (sent plus received), more than a few numbers "
+                f"(at most {limit} bytes): an all-reduce of the gradient leaves the whole averaged gradient on every "
+                "rank, which ZeRO-1 never holds; the reduce-scatter leaves each rank its slice, and the norm needs "
+                "only a number from each"
+            )
         state = opt.state.get(shard, {})
         assert state and state["exp_avg"].numel() == shard_n, (
             f"{where}: the optimizer must step this rank's slice (shard), keeping Adam's state for {shard_n} "
@@ -320,8 +337,24 @@ def _zero1_case(ctx, fn: Callable, seed: int, numel: int) -> float:
         assert not flat_param[numel:].any(), f"{where}: the padding of flat_param must stay zero"
     if bytes_wrong is not None:
         raise AssertionError(bytes_wrong)
+    # Adam's two states for this rank's S elements (8 S bytes and a step counter: the reference leaves
+    # just that), a gradient slice and the messages' scratch: whatever is kept per element of the whole
+    # model (optimizer states for all N·S elements: 8 N·S more) does not fit
+    allowed = 4 * shard_n * (2 + 2) + 1024
+    assert grown <= allowed, (
+        f"world_size={p}, rank {r}, {numel} parameters padded to {padded}: after {len(kinds)} steps your function "
+        f"left {grown:,} bytes alive on this rank; Adam's two states for this rank's {shard_n} elements, a "
+        f"gradient slice and the messages' buffers take at most {allowed:,}: keep optimizer states (and "
+        "gradients) for this rank's slice only, never for the whole model"
+    )
     assert any(clipped) and not all(clipped)  # the drawn steps cover both sides of max_norm
     return flat_param[:numel].sum().item()
+
+
+def _reduced(totals: dict) -> int:
+    """Bytes (sent plus received) that all-reduces and reduces moved on this rank, any algorithm."""
+    ops = totals["by_op"].items()
+    return sum(c["sent"] + c["recv"] for k, c in ops if k.endswith("reduce") and "scatter" not in k)
 
 
 def _guarded_call(fn: Callable, targets: dict[str, str], name: str) -> Callable:
@@ -343,7 +376,7 @@ def check_zero1_clipped_step(fn: Callable) -> None:
     numel = _draw_numel(random.Random(seed))
     for p in WORLD_SIZES:
         try:
-            res = launch_learner(_zero1_case, p, fn, seed, numel, timeout=60.0)
+            res = launch_learner(_zero1_case, p, fn, seed, numel, track_memory=True, timeout=60.0)
         except NotImplementedError:
             raise
         except Exception as e:
@@ -359,6 +392,10 @@ def check_zero1_clipped_step(fn: Callable) -> None:
 # ----------------------------------------------------------------------------- ZeRO-3, prefetch
 _LAYERS = 4
 _BATCH = 2
+#: On a GPU the gathered views and the unsharded model's weights sit at other offsets, and cuBLAS may
+#: pick another kernel (another summation order) for each: outputs may differ in the last bits, by at
+#: most this fraction of the largest output. On the CPU they must be equal bit for bit.
+_TOL = 1e-5
 
 
 def _draw_widths(rnd: random.Random) -> list[int]:
@@ -372,43 +409,54 @@ def _draw_widths(rnd: random.Random) -> list[int]:
 
 
 class _PostLog:
-    """The sizes of the messages posted on this rank, in order, with markers between them: every
-    point-to-point message and built-in gather goes through one of these torch functions (gloo:
-    isend/irecv; NCCL: batch_isend_irecv), so wrapping them sees a message when it is posted."""
-
-    NAMES = ("isend", "irecv", "batch_isend_irecv", "all_gather", "all_gather_into_tensor", "broadcast")
+    """The receives posted on this rank, in order, each with whether it has been waited for. Every
+    message of parallel_lab.comms is posted by `post_p2p` (its one posting point), so a wrapper of it
+    sees each message once, on gloo and on NCCL alike, when it is posted; the works it returns are
+    wrapped so that a wait on one marks the receives it finishes (gloo: one work per message, receives
+    first; NCCL: the batch is one kernel, each work finishes all of it). Entered before the pass's
+    switch-off: everything that runs during the pass is a closure or a class local to `__enter__`."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[str, int]] = []
-        self._undo: list[tuple[str, Callable]] = []
+        self.recvs: list[list] = []  # [elements, waited] per posted receive
+        self._undo: list = []
 
     def __enter__(self) -> _PostLog:
-        import torch.distributed as dist
+        import parallel_lab.comms as comms_pkg
+        from parallel_lab.comms import core, p2p
 
-        for name in self.NAMES:
-            real = getattr(dist, name)
-            self._undo.append((name, real))
-            setattr(dist, name, self._wrap(name, real))
+        real, posted = core.post_p2p, self.recvs
+
+        class Work:
+            def __init__(self, work, mine: list) -> None:
+                self._work, self._mine = work, mine
+
+            def wait(self, *args, **kwargs):
+                for m in self._mine:
+                    m[1] = True
+                return self._work.wait(*args, **kwargs)
+
+            def __getattr__(self, name):
+                return getattr(self._work, name)
+
+        def post_p2p(group, sends=(), recvs=(), tag: int = 0) -> list:
+            works = real(group, sends, recvs, tag)
+            mine = [[m[0].numel(), False] for m in recvs if m[0].numel() > 0]
+            posted.extend(mine)
+            if core.independent_messages(group):
+                return [Work(w, mine[k : k + 1]) for k, w in enumerate(works)]
+            return [Work(w, mine) for w in works]
+
+        for m in (core, p2p, comms_pkg):
+            if getattr(m, "post_p2p", None) is real:
+                self._undo.append(m)
+                m.post_p2p = post_p2p
+        self._real = real
         return self
 
-    def _wrap(self, name: str, real: Callable) -> Callable:
-        items = self.items
-
-        def logged(*args, **kwargs):
-            if name == "batch_isend_irecv":
-                items.extend(("message", op.tensor.numel()) for op in args[0])
-            else:
-                t = args[0] if name in ("isend", "irecv", "broadcast") else args[1] if len(args) > 1 else None
-                items.append(("message", t.numel() if isinstance(t, torch.Tensor) else -1))
-            return real(*args, **kwargs)
-
-        return logged
-
     def __exit__(self, *exc) -> None:
-        import torch.distributed as dist
-
-        for name, real in reversed(self._undo):
-            setattr(dist, name, real)
+        for m in self._undo:
+            m.post_p2p = self._real
+        self._undo.clear()
 
 
 def _zero3_case(ctx, fn: Callable, seed: int, dims: list[int]) -> list[float]:
@@ -423,9 +471,11 @@ def _zero3_case(ctx, fn: Callable, seed: int, dims: list[int]) -> list[float]:
     full = nn.Sequential(*mods)
     gen = torch.Generator().manual_seed(seed + 1)
     xs = [torch.randn(_BATCH, dims[0], generator=gen) for _ in range(2)]  # two passes: state must not leak
-    with torch.no_grad():
-        wants = [full(x) for x in xs]  # (B, d_out) the unsharded model's outputs
     full.to(ctx.device)  # the layers, in place: sharded and gathered on this rank's device
+    xs = [x.to(ctx.device) for x in xs]
+    with torch.no_grad():  # on the same device: CPU and GPU kernels round differently
+        wants = [full(x).cpu() for x in xs]  # (B, d_out) the unsharded model's outputs
+    exact = ctx.device.type == "cpu"
     nbytes, slices, shards, shapes = [], [], [], []
     for layer in layers:
         shapes.append([q.shape for q in layer.parameters()])
@@ -444,15 +494,14 @@ def _zero3_case(ctx, fn: Callable, seed: int, dims: list[int]) -> list[float]:
     slack = min(nbytes) // 2  # activations, padding, bookkeeping: less than half the smallest layer
     mem = MemoryTracker(ctx.device)
     log = _PostLog()
-    samples: list[tuple[str, int, int, int]] = []  # (when, layer, bytes alive, messages posted so far)
+    samples: list[tuple] = []  # (when, layer, bytes alive, sizes of receives posted, of those not waited for)
 
     # Registered after the learner's hooks, so they run after them: a layer's pre-hook has run, its
     # post-hook too. Closures only (this module's functions are switched off during the pass).
     def probe(when: str, i: int) -> Callable:
         def hook(*_):
-            samples.append((when, i, mem.total(), len(log.items)))
-            if when == "pre":
-                log.items.append(("compute", i))
+            posted = {n for n, _ in log.recvs}
+            samples.append((when, i, mem.total(), posted, {n for n, waited in log.recvs if not waited}))
 
         return hook
 
@@ -461,7 +510,7 @@ def _zero3_case(ctx, fn: Callable, seed: int, dims: list[int]) -> list[float]:
     outs = []
     for pass_, x in enumerate(xs):
         samples.clear()
-        log.items.clear()
+        log.recvs.clear()
         before = ctx.recorder.comm_totals()["recv"]
         with (
             mem,
@@ -470,7 +519,7 @@ def _zero3_case(ctx, fn: Callable, seed: int, dims: list[int]) -> list[float]:
         ):
             with torch.no_grad():
                 try:
-                    out = full(x.to(ctx.device))
+                    out = full(x)
                 except NotImplementedError:
                     raise
                 except Exception as e:
@@ -481,13 +530,21 @@ def _zero3_case(ctx, fn: Callable, seed: int, dims: list[int]) -> list[float]:
         recv = ctx.recorder.comm_totals()["recv"] - before
         wpass = f"{where}, forward pass {pass_}"
         got, want = out.cpu(), wants[pass_]
-        assert got.shape == want.shape and torch.equal(got, want), (
-            f"{wpass}: the output differs from the unsharded model's by up to {(got - want).abs().max().item():.3g}"
-            if got.shape == want.shape else f"{wpass}: output shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-        )  # fmt: skip
-        _check_alive(wpass, samples, nbytes, slack, layers)
+        assert got.shape == want.shape, (
+            f"{wpass}: output shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        )
+        diff = (got - want).abs().max().item()
+        assert diff <= (0 if exact else _TOL * max(1.0, want.abs().max().item())), (
+            f"{wpass}: the output differs from the unsharded model's by up to {diff:.3g}"
+            + (
+                ""
+                if exact
+                else f" (on a GPU, kernels may round differently: at most {_TOL:g} of the largest output)"
+            )
+        )
+        _check_alive(wpass, samples, nbytes, slack, layers, lower=p > 1)
         if p > 1:
-            _check_posted(wpass, log.items, slices)
+            _check_posted(wpass, samples, slices)
             want_recv = sum(4 * (p - 1) * s for s in slices)
             assert recv == want_recv, (
                 f"{wpass}: this rank received {recv:,} bytes through parallel_lab.comms; gathering each layer once "
@@ -510,14 +567,16 @@ def _zero3_case(ctx, fn: Callable, seed: int, dims: list[int]) -> list[float]:
         h.remove()
     for h in handles if isinstance(handles, (list, tuple)) else []:
         getattr(h, "remove", lambda: None)()
-    return outs
+    return exact, outs
 
 
-def _check_alive(where: str, samples: list, nbytes: list[int], slack: int, layers: list[nn.Module]) -> None:
+def _check_alive(where: str, samples: list, nbytes: list[int], slack: int, layers: list[nn.Module],
+                 lower: bool) -> None:  # fmt: skip
     """At each layer's compute its own and the next layer's parameters (no more) are alive; after it, at
-    most two layers'."""
+    most two layers'. `lower`: the next layer's buffer must exist too (on 1 rank a layer may be bound
+    to its shard itself: nothing to gather, nothing allocated)."""
     last = len(nbytes) - 1
-    for when, i, alive, _ in samples:
+    for when, i, alive, _, _ in samples:
         if when == "pre":
             need = nbytes[i] + (nbytes[i + 1] if i < last else 0)
             held = [k for k in range(i) if sum(q.numel() for q in layers[k].parameters())]
@@ -525,7 +584,7 @@ def _check_alive(where: str, samples: list, nbytes: list[int], slack: int, layer
                 f"{where}: when layer {i} began to compute, layer {held[0]} still held its parameters: free a "
                 "layer once it has run"
             )
-            if alive < need:
+            if lower and alive < need:
                 raise AssertionError(
                     f"{where}: when layer {i} began to compute, {alive:,} bytes were alive, layer {i} alone is "
                     f"{nbytes[i]:,}: the next layer's gather had not started (start it before this layer "
@@ -548,14 +607,22 @@ def _check_alive(where: str, samples: list, nbytes: list[int], slack: int, layer
             )
 
 
-def _check_posted(where: str, items: list, slices: list[int]) -> None:
-    """Layer i+1's messages (its slices' size) were posted before layer i computed."""
-    for i in range(len(slices) - 1):
-        at = items.index(("compute", i))
-        before = [n for kind, n in items[:at] if kind == "message"]
-        assert slices[i + 1] in before, (
-            f"{where}: when layer {i} began to compute, no message of layer {i + 1}'s slice size "
-            f"({slices[i + 1]} elements) had been posted: start the next layer's gather before this layer computes"
+def _check_posted(where: str, samples: list, slices: list[int]) -> None:
+    """When layer i began to compute, a receive of layer i+1's slices (their size) had been posted and
+    not yet waited for: the next layer travels while this one computes."""
+    for when, i, _, posted, pending in samples:
+        if when != "pre" or i + 1 >= len(slices):
+            continue
+        n = slices[i + 1]
+        assert n in posted, (
+            f"{where}: when layer {i} began to compute, no message of layer {i + 1}'s slice size ({n} "
+            "elements) had been posted: start the next layer's gather before this layer computes"
+        )
+        assert n in pending, (
+            f"{where}: when layer {i} began to compute, layer {i + 1}'s slices ({n} elements each) had already "
+            f"been received and waited for: a blocking gather in layer {i}'s hook moves them before layer {i} "
+            f"computes, not while it does; post the receives there and wait for them only when layer {i + 1} "
+            "is about to run"
         )
 
 
@@ -572,12 +639,14 @@ def check_zero3_prefetch_hooks(fn: Callable) -> None:
             raise
         except Exception as e:
             _fail(e, f"world_size={p}", 60.0)
-        assert all(v == res.values[0] for v in res.values), (
-            f"world_size={p}: ranks computed different outputs"
+        exact, first = res.values[0]
+        spread = max(abs(a - b) for _, outs in res.values for a, b in zip(outs, first))
+        assert spread <= (0 if exact else _TOL * max(1.0, *map(abs, first))), (
+            f"world_size={p}: ranks computed different outputs (by up to {spread:.3g})"
         )
     passed(
         "check_zero3_prefetch_hooks",
-        f"{_LAYERS} layers on 1-4 ranks, output bit-exact, the next layer in flight, at most two alive",
+        f"{_LAYERS} layers on 1-4 ranks, output as the unsharded model's, the next layer in flight, at most two alive",
     )
 
 

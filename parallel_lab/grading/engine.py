@@ -2,7 +2,7 @@
 `python -m parallel_lab grade exercises/NN_topic.ipynb`.
 
 Every `check_*` in `parallel_lab/grading/checks/<lesson>.py` (its `__all__`) is re-exported
-here, so a check cell reads `from parallel_lab.grading import check_ring_all_reduce`.
+here, so a check cell reads `from parallel_lab.grading import check_torus_all_reduce`.
 
 The engine's invariant: a grade depends only on running the learner's code against
 the teacher's checks, never on what the learner's file stores. So it takes the

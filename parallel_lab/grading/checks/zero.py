@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from parallel_lab.grading.checks import (
+    call_learner,
     draw_seed,
     family,
     launch_learner,
@@ -164,18 +165,6 @@ def _fail(e: Exception, what: str, limit: float) -> None:
     raise e
 
 
-def _call_learner(fn: Callable, where: str, *args):
-    """The learner's function, its mistakes as our verdict (an unfinished exercise stays one)."""
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        raise
-    except AssertionError as e:
-        raise AssertionError(f"{where}: {e or 'an assert in your function failed'}") from None
-    except Exception as e:
-        raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e}") from e
-
-
 # ----------------------------------------------------------------------------- ZeRO-1, clipped
 _STEPS = ("clip", "clip", "free", "free", "tiny")  # shuffled per world size: kinds of step
 #: "a few numbers": beyond the reduce-scatter and the all-gather a rank may send and receive at most
@@ -269,7 +258,7 @@ def _zero1_case(ctx, fn: Callable, seed: int, numel: int) -> float:
         totals = ctx.recorder.comm_totals()
         before = (totals["sent"], totals["recv"], _reduced(totals))
         alive = ctx.memory.total()
-        _call_learner(learner, where, ctx, flat_param, flat_grad, shard, opt, max_norm)
+        call_learner(learner, where, ctx, flat_param, flat_grad, shard, opt, max_norm)
         # (the check's own copy of the gradient stepped with, made inside the call, is not the learner's)
         mine = seen[-1] if len(seen) > step and ctx.device.type == "cpu" and seen[-1] is not None else None
         grown += ctx.memory.total() - alive - (0 if mine is None else mine.numel() * mine.element_size())
@@ -489,7 +478,7 @@ def _zero3_case(ctx, fn: Callable, seed: int, dims: list[int]) -> list[float]:
             q.data = torch.empty(0, device=ctx.device)
     where = f"world_size={p}, rank {r}, layers of widths {dims}"
     call = "zero3_prefetch_hooks(ctx, layers, shards, shapes)"
-    handles = _call_learner(_guarded_call(fn, PREFETCH_FORBIDDEN, "zero3_prefetch_hooks"),
+    handles = call_learner(_guarded_call(fn, PREFETCH_FORBIDDEN, "zero3_prefetch_hooks"),
                             f"{where}: {call}", ctx, layers, shards, shapes)  # fmt: skip
     slack = min(nbytes) // 2  # activations, padding, bookkeeping: less than half the smallest layer
     mem = MemoryTracker(ctx.device)
@@ -733,7 +722,7 @@ def check_zero_state_bytes(fn: Callable) -> None:
             args = (got["numel"], p, got["stage"], got["optimizer"], got["precision"])
             where = (f"zero_state_bytes(numel={args[0]}, world_size={p}, stage={args[2]}, "
                      f"optimizer={args[3]!r}, precision={args[4]!r})")  # fmt: skip
-            said = _call_learner(fn, where, *args)
+            said = call_learner(fn, where, *args)
             assert isinstance(said, dict) and all(k in said for k in ("param", "grad", "optim")), (
                 f"{where}: return a dict with 'param', 'grad' and 'optim' bytes, got {said!r:.80}"
             )

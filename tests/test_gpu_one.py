@@ -6,8 +6,8 @@ ms must show tens of ms, however fast the host issued it); the tracker against t
 allocator on real work (not vacuously: bytes are tracked); weight streaming bit-exact from pinned
 host copies on a copy stream; the fp8 GEMM at shapes CUDA accepts and at shapes it does not;
 recomputation with dropout (the CUDA RNG state replayed); a checkpoint saved by an NCCL rank read
-back on the CPU; the backend rule with more ranks than GPUs; the lesson scripts at one rank on
-NCCL. Each check is one test, so pytest -v prints a line per check. Without a GPU they are
+back on the CPU; gloo ranks that run a backward after the parent ran one; the backend rule with
+more ranks than GPUs; the lesson scripts at one rank on NCCL. Each check is one test, so pytest -v prints a line per check. Without a GPU they are
 skipped; tests/test_gpu.py holds the checks that need 2+ GPUs.
 """
 
@@ -221,6 +221,32 @@ def test_checkpoint_saved_by_an_nccl_rank_reads_back_on_the_cpu(tmp_path):
     d, manifest, _ = ckpt.latest(tmp_path)
     shard = ckpt.read_shard(d, 0, manifest)
     assert shard["w"].device.type == "cpu" and torch.equal(shard["w"], torch.arange(6.0))
+
+
+BACKWARD_THEN_RANKS = textwrap.dedent(
+    """
+    import torch
+    import parallel_lab as pl
+
+    def f(ctx):
+        w = torch.ones(4, requires_grad=True)
+        (w * (ctx.rank + 1)).sum().backward()  # every rank's own backward, on gloo
+        return w.grad.sum().item()
+
+    if __name__ == "__main__":
+        torch.ones(3, requires_grad=True).sum().backward()  # a notebook's own backward, first
+        res = pl.launch(f, 2, backend="gloo")
+        print(res.backend, res.values)
+    """
+)
+
+
+def test_gloo_ranks_backward_after_the_parent_ran_one():
+    """On a GPU machine the parent's first backward starts autograd's per-GPU threads; ranks
+    forked after it would fail at their own backward. The launcher spawns them instead."""
+    out = _run([sys.executable, "-c", BACKWARD_THEN_RANKS])
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "gloo [4.0, 8.0]" in out.stdout, out.stdout
 
 
 def test_more_ranks_than_gpus_fall_back_to_gloo():

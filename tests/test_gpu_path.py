@@ -67,6 +67,13 @@ def test_nccl_spawns_even_after_the_parent_asked_is_available(monkeypatch):
         choose_start_method("fork", backend, None)
 
 
+def test_gloo_ranks_spawn_on_a_machine_with_a_gpu(monkeypatch):
+    """Ranks forked after this process's first backward on a GPU machine fail at their own
+    backward (autograd's per-GPU threads do not survive fork): gloo ranks spawn there too."""
+    monkeypatch.setattr(dev, "gpu_count", lambda: 1)
+    assert choose_start_method("auto", "gloo", None) == "spawn"
+
+
 def test_gpu_count_does_not_initialise_cuda():
     dev.gpu_count()
     assert not torch.cuda.is_initialized()

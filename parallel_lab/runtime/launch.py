@@ -107,10 +107,20 @@ def choose_start_method(start_method: str, backend: str, threads: int | None) ->
       notebook that called `torch.cuda.is_available()`): every forked rank would then fail at
       its first CUDA call. Spawned ranks get the function by value (cloudpickle).
     - a CUDA context already here, or not Linux: spawn.
+    - a GPU visible, even for gloo ranks on the CPU: spawn. The first backward in this process
+      starts autograd's per-GPU worker threads (torch/csrc/autograd/engine.cpp), and a child
+      forked after that raises "Unable to handle autograd's threading in combination with
+      fork-based multiprocessing" at its own first backward: a notebook on a one-GPU machine
+      runs more ranks than GPUs on gloo, and would fail there after any backward of its own.
     - threads > 1: spawn. GNU OpenMP's thread pool does not survive fork, so a forked rank's
       first multi-threaded op would hang once this process has done threaded math.
     """
-    can_fork = sys.platform.startswith("linux") and not mesh.cuda_initialized() and backend != "nccl"
+    can_fork = (
+        sys.platform.startswith("linux")
+        and not mesh.cuda_initialized()
+        and mesh.gpu_count() == 0
+        and backend != "nccl"
+    )
     if start_method == "auto":
         return "fork" if can_fork and (threads is None or threads == 1) else "spawn"
     if start_method == "fork" and threads is not None and threads > 1:

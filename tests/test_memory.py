@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -358,6 +359,19 @@ def test_only_the_trackers_device_is_counted():
         cpu = mem.register(torch.ones(4), "other")  # explicit registration counts anyway
         assert mem.snapshot() == snap(activation=32, other=16)
     del m, cpu
+
+
+def test_a_tracker_watching_a_device_the_work_is_not_on_says_so():
+    """A tracker on cuda:0 around a rank whose tensors were made on the CPU reads 0 everywhere:
+    it warns at stop instead of reporting "no memory" (faked here with the meta device)."""
+    with pytest.warns(RuntimeWarning, match=r"MemoryTracker\(meta\) saw no storage on meta, but \d+ on cpu"):
+        with MemoryTracker("meta", mechanism="dispatch") as mem:
+            torch.ones(64) * 2  # the work, on the CPU
+    assert sum(mem.peak().values()) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # work on the tracked device: no warning
+        with MemoryTracker("meta", mechanism="dispatch"):
+            torch.empty(8, device="meta") * 2
 
 
 def test_cross_check_is_none_without_a_device_allocator():

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -102,6 +103,7 @@ class MemoryTracker:
         self._mode: _AllocMode | None = None
         self._lock = threading.Lock()
         self._pending: list[tuple[int, Any]] = []  # frees seen while the lock was held
+        self._elsewhere = 0  # storages seen on other devices (a tracker watching an idle device says so)
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> MemoryTracker:
@@ -125,6 +127,17 @@ class MemoryTracker:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
         self.remove_hooks()  # a stopped tracker must not keep relabelling (or stay alive via hooks)
+        if self._elsewhere and self._peak_total == 0 and not self._live:
+            # e.g. a tracker on cuda:0 around work whose tensors were made on the CPU: its zeros
+            # would read as "this step needs no memory", and a budget check on it never fires.
+            others = sorted(str(d) for d, ours in self._devices.items() if not ours)
+            warnings.warn(
+                f"MemoryTracker({self.device}) saw no storage on {self.device}, but {self._elsewhere} on "
+                f"{', '.join(others)}: the work ran on another device, so every reading here is 0; "
+                "track the device the tensors are on (ctx.device in a rank)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def __enter__(self) -> MemoryTracker:
         return self.start()
@@ -178,6 +191,7 @@ class MemoryTracker:
         dev = st.device
         mine = self._devices.get(dev)
         if not (self._mine(dev) if mine is None else mine):
+            self._elsewhere += 1
             return
         labels = self._label_stack()
         if labels:

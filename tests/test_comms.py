@@ -693,3 +693,23 @@ def test_fingerprint_check_catches_what_torch_detail_debug_misses(tmp_path):
                             "shape": "named"}, torch_detail  # fmt: skip
     ours = run("lab")
     assert ours == dict.fromkeys(torch_detail, "named"), ours
+
+
+@pytest.mark.parametrize("mechanism", ["allocator", "dispatch"])
+def test_a_comm_thread_jobs_scratch_is_counted_by_the_submitters_tracker(mechanism):
+    """The dispatch mode (how a tracker sees allocations on a GPU) is per thread; a CommThread job
+    runs under its submitter's, so both mechanisms see the job's scratch, as on a CPU."""
+    from parallel_lab.comms import CommThread
+    from parallel_lab.runtime.memory import MemoryTracker
+
+    thread = CommThread()
+
+    def job():
+        scratch = torch.ones(4096)  # 16 KiB made and freed on the comm thread
+        return float(scratch.sum())
+
+    with MemoryTracker(mechanism=mechanism) as mem:
+        assert thread.submit(job).wait() == 4096.0
+        assert sum(mem.peak().values()) >= 16384, mem.peak()
+    after = thread.submit(job)  # no tracker on the submitting thread now: none is entered there
+    assert after.wait() == 4096.0 and sum(mem.peak().values()) < 2 * 16384

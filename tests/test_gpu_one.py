@@ -1,14 +1,15 @@
 """One GPU, the commonest learner machine: `make gpu-check` (or `pytest -m gpu tests/test_gpu_one.py`).
 
 What a single GPU can say that a CPU cannot: a world-size-1 NCCL launch from a notebook-like parent
-that already asked CUDA a question; spans timed on the device clock (a kernel that sleeps tens of
-ms must show tens of ms, however fast the host issued it); the tracker against the caching
-allocator on real work (not vacuously: bytes are tracked); weight streaming bit-exact from pinned
-host copies on a copy stream; the fp8 GEMM at shapes CUDA accepts and at shapes it does not;
-recomputation with dropout (the CUDA RNG state replayed); a checkpoint saved by an NCCL rank read
-back on the CPU; gloo ranks that run a backward after the parent ran one; the backend rule with
-more ranks than GPUs; the lesson scripts at one rank on NCCL. Each check is one test, so pytest -v prints a line per check. Without a GPU they are
-skipped; tests/test_gpu.py holds the checks that need 2+ GPUs.
+that already asked CUDA a question; spans timed on the device clock (a kernel that sleeps tens of ms
+must show tens of ms, however fast the host issued it); the tracker against the caching allocator on
+real work (not vacuously: bytes are tracked); weight streaming bit-exact from pinned host copies on
+a copy stream; the fp8 GEMM at shapes CUDA accepts and at shapes it does not; recomputation with
+dropout (the CUDA RNG state replayed); a built-in all-reduce's span ending at its own completion
+under compute; a checkpoint saved by an NCCL rank read back on the CPU; gloo ranks that run a
+backward after the parent ran one; the backend rule with more ranks than GPUs; the lesson scripts at
+one rank on NCCL. Each check is one test, so pytest -v prints a line per check.
+Without a GPU they are skipped; tests/test_gpu.py holds the checks that need 2+ GPUs.
 """
 
 from __future__ import annotations
@@ -291,3 +292,26 @@ def _spun(ctx):
 
 def test_spin_keeps_the_gpu_busy_for_the_time_asked():
     assert 0.035 < pl.launch(_spun, 1).values[0] < 0.08
+
+
+def _reduce_under_compute(ctx):
+    from parallel_lab.comms import AsyncAllReduce
+    from parallel_lab.runtime.device import spin
+
+    x = torch.ones(1 << 20, device=ctx.device)  # (1M,)
+    h = AsyncAllReduce(ctx, x)  # what a DDP bucket's hook issues
+    with ctx.recorder.span("bwd rest", "compute"):
+        spin(ctx.device, 0.1)  # the rest of backward, queued after the issue on the compute stream
+    h.wait()
+    return x[0].item()
+
+
+def test_a_built_in_all_reduce_span_ends_when_the_reduction_does():
+    """The comm span ends at the reduction's completion (an event on a side stream that waits for it
+    alone), not at an event on the compute stream after the backward it overlaps (which made
+    comm_hidden_fraction read about 1 whatever happened)."""
+    res = pl.launch(_reduce_under_compute, 1)
+    (comm,) = [e for e in res.timeline if e["kind"] == "comm"]
+    (bwd,) = [e for e in res.timeline if e["name"] == "bwd rest"]
+    assert res.values == [1.0] and comm["args"].get("clock") == "cuda_event"
+    assert comm["end"] - comm["start"] < 0.5 * (bwd["end"] - bwd["start"]), (comm, bwd)

@@ -199,8 +199,9 @@ class AsyncAllReduce:
 
     gloo runs the reduction on its own threads, outside the GIL, so backward keeps
     computing meanwhile. The completion time comes from the work's future (a
-    callback on gloo's thread); `wait()` records the span and books the ring's
-    nominal bytes, like `dist_all_reduce`.
+    callback on gloo's thread) on a CPU, and from a CUDA event on a side stream that
+    waits for the reduction alone on a GPU; `wait()` records the span and books the
+    ring's nominal bytes, like `dist_all_reduce`.
     """
 
     def __init__(self, ctx, tensor: torch.Tensor, group=None, name: str = "all_reduce", **args: Any):
@@ -213,10 +214,18 @@ class AsyncAllReduce:
         self.work = dist.all_reduce(tensor, group=group, async_op=True)
         self.future = self.work.get_future()
         self.future.add_done_callback(self._done)
+        self.end_mark = None
+        if self.rec.clock is not None:
+            # GPU: an event on an idle side stream made to wait for the reduction fires the moment it
+            # completes. An event on the compute stream at wait() would also wait for all compute
+            # queued before it, and stretch the span over the backward it should overlap.
+            with dev.on_stream(dev.side_stream(ctx.device)):
+                self.work.wait()  # only orders the side stream after the reduction
+                self.end_mark = self.rec.mark()
 
     def _done(self, _fut: Any) -> None:
         # gloo runs this on its own thread the moment the reduction finished. NCCL's future completes
-        # when the op is queued, so on a GPU the span ends at the event recorded after wait().
+        # when the op is queued, so on a GPU the span ends at the side stream's event (`end_mark`).
         if self.rec.clock is None:
             self.done_at = self.rec.now()
 
@@ -232,7 +241,8 @@ class AsyncAllReduce:
         if self.work is None:
             return
         self.work = None
-        end = end if end is not None else self.rec.mark()
+        if end is None:
+            end = self.end_mark if self.end_mark is not None else self.rec.mark()
         self.rec.add_event(self.name, "comm", self.start, end, **self.args, bytes_sent=self.sent,
                            bytes_recv=self.recv)  # fmt: skip
         self.rec.count_bytes("all_reduce", self.sent, self.recv)

@@ -259,6 +259,9 @@ def test_device_marks_wait_for_resolve():
         def mark(self):
             return object()
 
+        def done(self, mark):
+            return False  # still queued on the GPU
+
         def seconds(self, mark):
             return 1.5
 
@@ -550,3 +553,39 @@ def test_weight_streaming_refuses_a_model_off_the_rank_device():
     with pytest.raises(ValueError, match="build it with device=ctx.device"):
         lin = torch.nn.Linear(4, 4)
         WeightStreamer(ctx, lin, budget_bytes=1 << 20, units=[lin])
+
+
+class _FakeMark:
+    """A CUDA event stand-in: `query()` says whether the GPU has passed it."""
+
+    def __init__(self, t: float, passed: bool):
+        self.t, self.passed = t, passed
+
+    def query(self) -> bool:
+        return self.passed
+
+
+class _FakeClock:
+    def done(self, mark) -> bool:
+        return isinstance(mark, float) or mark.query()
+
+    def seconds(self, mark) -> float:
+        assert isinstance(mark, float) or mark.passed, "seconds() would wait for the GPU here"
+        return mark if isinstance(mark, float) else mark.t
+
+
+def test_device_timed_spans_reach_the_sink_as_soon_as_the_gpu_passed_them():
+    """A live view (the sink) sees each device-timed span once the GPU has passed it, not only when
+    the rank's function returns; a span still queued waits, and `resolve()` takes the rest."""
+    from parallel_lab.runtime.trace import Recorder
+
+    sent = []
+    rec = Recorder(sink=lambda kind, ev: sent.append((kind, ev["name"])), clock=_FakeClock())
+    rec.add_event("a", "compute", _FakeMark(0.0, True), _FakeMark(1.0, True))
+    assert ("event", "a") in sent and rec.events[0]["end"] == 1.0
+    late = _FakeMark(3.0, False)
+    rec.add_event("b", "compute", _FakeMark(1.0, True), late)
+    assert ("event", "b") not in sent and len(rec.pending) == 1
+    late.passed = True
+    rec.resolve()
+    assert ("event", "b") in sent and rec.events[-1]["args"]["clock"] == "cuda_event"

@@ -283,6 +283,10 @@ class CudaEventClock:
         ev.record()
         return ev
 
+    def done(self, mark) -> bool:
+        """Has the GPU passed this mark (so `seconds` will not wait)?"""
+        return isinstance(mark, float) or mark.query()
+
     def seconds(self, mark) -> float:
         if isinstance(mark, float):
             return mark

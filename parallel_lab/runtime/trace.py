@@ -77,6 +77,17 @@ class Recorder:
             self.events.append(ev)
             self._emit("event", ev)
 
+    def resolve_ready(self) -> None:
+        """Emit the oldest pending device-timed spans whose events the GPU has passed, without
+        waiting: a live view draws GPU spans while the run goes on, and a rank that dies later
+        has already sent them. Stops at the first span still queued (spans mostly end in order)."""
+        while self.pending and all(self.clock.done(self.pending[0][k]) for k in ("start", "end")):
+            ev = self.pending.pop(0)
+            ev["start"], ev["end"] = self.clock.seconds(ev["start"]), self.clock.seconds(ev["end"])
+            ev["args"]["clock"] = "cuda_event"
+            self.events.append(ev)
+            self._emit("event", ev)
+
     # -- spans -----------------------------------------------------------------
     @contextlib.contextmanager
     def span(self, name: str, kind: str = "compute", **args: Any) -> Iterator[dict]:
@@ -107,6 +118,7 @@ class Recorder:
                 self._emit("event", ev)
             else:
                 self.pending.append(ev)
+                self.resolve_ready()
         return ev
 
     def enter_comm(self, op: str) -> None:

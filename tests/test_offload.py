@@ -252,29 +252,3 @@ def test_streaming_units_follow_the_forward_order():
     assert [names[id(u)] for u in streaming_units(model)] == [
         "wte", "wpe", *[f"blocks.{i}" for i in range(6)], "ln_f", "lm_head"
     ]  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- exercise check
-def _offload_right(params, masters, optimizer, to_host, to_device):
-    for p, m in zip(params, masters):
-        m.grad = to_host(p.grad).float()
-    optimizer.step()
-    for p, m in zip(params, masters):
-        p.data.copy_(to_device(m.detach().to(p.dtype)))
-
-
-def _offload_fp32_up(params, masters, optimizer, to_host, to_device):
-    for p, m in zip(params, masters):
-        m.grad = to_host(p.grad).float()
-    optimizer.step()
-    for p, m in zip(params, masters):
-        p.data.copy_(to_device(m.detach()))  # 4 bytes per parameter cross instead of 2
-
-
-def test_exercise_check(capsys):
-    from parallel_lab.grading import check_offloaded_step
-
-    check_offloaded_step(_offload_right)
-    assert capsys.readouterr().out.startswith("check_offloaded_step passed")
-    with pytest.raises(AssertionError, match="round the masters to bf16 on the host"):
-        check_offloaded_step(_offload_fp32_up)

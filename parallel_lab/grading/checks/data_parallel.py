@@ -1,22 +1,29 @@
-"""Checks for lesson 03's exercises: average gradients with all-reduce, assign parameters to buckets,
-and (bonus) a DDP gradient hook.
+"""Checks for lesson 03's exercises: average gradients over uneven shards, buckets in the order gradients
+became ready, a DDP hook under gradient accumulation, and the bytes of a step with accumulation.
 
-The gradient checks train a small float64 GPT with tied embeddings and a frozen
-parameter: each rank runs forward and backward on its slice of a batch, the
-learner's code synchronises, and every gradient must equal the gradient of the
-whole batch computed in one process, on every rank, to 1e-12 (float64: only the
-order of the sums differs, ~1e-16 relative). The bucket check compares with the
-lab's `assign_buckets` on a real model and on hand-made parameter lists.
+The gradient checks train a small float64 GPT with tied embeddings and a frozen parameter. Everything a
+case depends on is drawn afresh every grade run (`draw_seed`): the batch, how many samples each rank holds
+(some rank holding none), the number of micro-batches and their size. Every gradient must equal the
+gradient of the mean loss over the whole batch, computed in one process, on every rank, to 1e-12 (float64:
+only the order of the sums differs, ~1e-16 relative). Each world size is one launch that runs all its cases
+(on a GPU machine a launch spawns its ranks, which costs seconds).
+`assign_buckets` is compared with the rule of the lesson applied in the given ready order, on the check's GPT
+(its ready order recorded from a real backward) and on drawn parameter lists, sizes, bucket sizes and
+orders. `ddp_bytes` is compared exactly with the byte counter of `BucketedDDP(comm="ring")` runs, with and
+without `no_sync()`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
 from parallel_lab.grading.checks import (
+    _resolve,
     draw_seed,
     family,
     guarded,
@@ -24,251 +31,516 @@ from parallel_lab.grading.checks import (
     passed,
     rank_verdict,
     require_callable,
+    unavailable,
 )
 
-__all__ = ["check_assign_buckets", "check_average_gradients", "check_ddp_grad_hook", "check_ddp_bytes"]
+__all__ = ["check_assign_buckets", "check_average_gradients", "check_ddp_bytes", "check_ddp_grad_hook"]
 
 WORLD_SIZES = (1, 2, 3, 4)
-BATCH = 12
+VOCAB, SEQ = 25, 8
 TOL = 1e-12  # float64; see the module docstring
+
+
+def _torch_family(*modules: str) -> dict[str, str]:
+    """`family` of torch modules that may move between releases, less what a module only inherits
+    (an Enum's `_generate_next_value_` belongs to enum: switching it off would break every enum)."""
+    out = {}
+    for m in modules:
+        for dotted, instead in family(m, missing_ok=True).items():
+            if getattr(_resolve(dotted)[2], "__module__", m) == m:
+                out[dotted] = instead
+    return out
+
+
+#: torch's own data parallelism: DDP (its reducer, bucket assignment and comm hooks), FSDP's and
+#: pipelining's gradient reductions, DTensor's data-parallel gradient hook, ZeRO's DDP buckets.
+#: torch.distributed's collectives stay: the exercises are built from them.
+TORCH_DP = {
+    **_torch_family(
+        "torch.nn.parallel", "torch.nn.parallel.distributed", "torch.nn.parallel.data_parallel",
+        "torch.distributed.algorithms.ddp_comm_hooks", "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+        "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook",
+        "torch.distributed.algorithms._comm_hooks.default_hooks",
+        "torch.distributed.tensor.parallel._data_parallel_utils", "torch.distributed.fsdp._runtime_utils",
+        "torch.distributed.fsdp.fully_sharded_data_parallel", "torch.distributed.fsdp._fully_shard._fully_shard",
+        "torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules",
+        "torch.distributed.optim.zero_redundancy_optimizer", "torch.distributed._composable.replicate",
+    ),
+    # defined in modules whose classes say they live elsewhere (`family` skips them), or properties
+    **{f"torch.distributed.fsdp._fully_shard._fully_shard.FSDPModule.{n}": ""
+       for n in ("set_all_reduce_hook", "set_requires_gradient_sync")},
+    "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer._bucket_assignments_per_rank": "",
+    "torch.nn.parallel.DistributedDataParallelCPU": "",
+    # the class's own __init__ first (then the class itself on its modules): also catches a Reducer
+    # imported under its name before the check ran
+    "torch._C._distributed_c10d.Reducer.__init__": "",
+    "torch.distributed.Reducer": "",
+    "torch._C._distributed_c10d.Reducer": "",
+    "torch.distributed._compute_bucket_assignment_by_size": "",
+    "torch._C._distributed_c10d._compute_bucket_assignment_by_size": "",
+}  # fmt: skip
+#: the lab's data parallelism and torch's, switched off while the learner's function runs
+FORBIDDEN = {
+    **family("parallel_lab.data_parallel.naive", "parallel_lab.data_parallel.ddp"),
+    **TORCH_DP,
+}
+#: for `ddp_bytes`: the lab's byte formulas too (`chunk_sizes`, lesson 01's split, stays)
+BYTES_FORBIDDEN = {
+    **FORBIDDEN,
+    **family("parallel_lab.comms.cost", keep=("chunk_sizes",)),
+    "parallel_lab.costmodel.formulas.allreduce_bytes_per_rank": "",
+}
 
 
 def _model() -> nn.Module:
     from parallel_lab.models import GPTConfig, build_model
 
-    m = build_model(GPTConfig(vocab=25, seq_len=8, d_model=8, n_heads=2, n_layers=2), seed=0).double()
+    m = build_model(GPTConfig(vocab=VOCAB, seq_len=SEQ, d_model=8, n_heads=2, n_layers=2), seed=0).double()
     m.wpe.weight.requires_grad_(False)  # frozen: no gradient to average
     return m
 
 
-def _reference(seed: int = 3) -> tuple[tuple, dict[str, torch.Tensor]]:
+def _batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     from parallel_lab.models import synthetic_batch
 
-    batch = synthetic_batch("tokens", BATCH, seq_len=8, vocab=25, seed=seed)
+    return synthetic_batch("tokens", n, seq_len=SEQ, vocab=VOCAB, seed=seed)
+
+
+def _flat_grad(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gradient of the mean loss over the samples (x, y), flat over the trainable parameters;
+    zeros for no samples."""
     m = _model()
-    m(*batch).backward()
-    return batch, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    if len(x):
+        m(x, y).backward()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in m.parameters() if p.requires_grad])  # fmt: skip
 
 
-def _compare(model: nn.Module, want: dict, where: str, world_size: int) -> None:
+def _flat(model: nn.Module, where: str) -> torch.Tensor:
+    out = []
     for n, p in model.named_parameters():
         if not p.requires_grad:
             assert p.grad is None, f"{where}: {n} is frozen (requires_grad=False) but now has a .grad"
             continue
         assert p.grad is not None, f"{where}: {n}.grad is None after your code ran"
-        grad = p.grad.cpu()
-        diff = (grad - want[n]).abs().max().item()
-        if diff > TOL:
-            ratio = (grad.norm() / want[n].norm()).item()
-            hint = f" (|your grad| / |expected| = {ratio:.4g})"
-            if world_size > 1 and abs(ratio - world_size) < 1e-6:
-                hint = f" (it is {world_size}x the average: the sum over ranks; divide by world_size)"
-            elif world_size > 1 and (grad - want[n]).abs().max() > 1e-3 and abs(ratio - 1) > 0.05:
-                hint += "; is it still this rank's own gradient (not all-reduced)?"
+        out.append(p.grad.detach().cpu().reshape(-1))
+    return torch.cat(out)
+
+
+def _scale_of(got: torch.Tensor, want: torch.Tensor) -> float | None:
+    """c when got = c * want (to 1e-9), else None."""
+    c = float(got @ want / (want @ want))
+    return c if (got - c * want).abs().max() <= 1e-9 * want.abs().max() else None
+
+
+def _launch(rank_fn: Callable, p: int, *args, check: str):
+    try:
+        return launch_learner(rank_fn, p, *args, timeout=60.0, threads=1)
+    except Exception as e:
+        if getattr(e, "exc_type", None) in ("AssertionError", "WriteItYourself"):  # our verdict, on a rank
+            raise rank_verdict(e) from None
+        if type(e).__name__ == "LaunchTimeout":
             raise AssertionError(
-                f"{where}: {n}.grad differs from the whole batch's gradient by up to {diff:.3g}{hint}"
-            )
+                f"{check}: world_size={p}: the ranks did not finish in 60 s; every rank must call the same "
+                "collectives on tensors of the same shape, in the same order (a rank with nothing to add too)"
+            ) from None
+        raise
 
 
-# The lab's data parallelism and torch's DDP, switched off while the learner's function runs
-# (torch.distributed's collectives stay: the exercises are built from them).
-FORBIDDEN = {
-    **family("parallel_lab.data_parallel.naive", "parallel_lab.data_parallel.ddp"),
-    "torch.nn.parallel.distributed.DistributedDataParallel.__init__": "",
-}
+# ----------------------------------------------------------------------------- 1: uneven shards
+def _draw_shards(rnd: random.Random, p: int, empty: bool) -> list[int]:
+    """Samples per rank: uneven (else dividing by the ranks would be right), one rank empty if `empty`."""
+    while True:
+        sizes = [rnd.randint(1, 6) for _ in range(p)]
+        if empty and p > 1:
+            sizes[rnd.randrange(p)] = 0
+        if p == 1 or (len(set(sizes)) > 1 and sum(sizes) > 1):
+            return sizes
 
 
-def _grad_rank(ctx, fn: Callable, kind: str, batch: tuple, want: dict) -> int:
+def _average_rank(ctx, fn: Callable, cases: list[dict]) -> int:
     import torch.distributed as dist
 
-    fn = guarded(
-        fn, FORBIDDEN, f"this exercise ({'average_gradients' if kind == 'average' else 'ddp_grad_hook'})"
-    )
-
-    from parallel_lab.data_parallel import shard_batch
-
-    x, y = (t.to(ctx.device) for t in shard_batch(batch, ctx.rank, ctx.world_size))
-    model = _model().to(ctx.device)  # the learner's all-reduces run on this rank's device (NCCL: a GPU)
-    where = f"world_size={ctx.world_size}, rank {ctx.rank}"
-    if kind == "average":
-        model(x, y).backward()
-        fn(ctx, model)
-    else:
-        pending: list = []
-        calls: list[bool] = []
-
-        def hook(p: torch.Tensor) -> None:
-            before = len(pending)
-            fn(ctx, p, pending)
-            calls.append(torch._C._current_graph_task_id() != -1 and len(pending) == before + 1)
-
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(hook)
-        model(x, y).backward()
-        n_train = sum(1 for p in model.parameters() if p.requires_grad)
-        assert len(calls) == n_train and all(calls), (
-            f"{where}: each call of your hook must append exactly one pending all-reduce to `pending` "
-            f"({sum(calls)} of {n_train} calls did)"
-        )
-        for w in pending:
-            assert hasattr(w, "wait"), (
-                f"{where}: `pending` holds a {type(w).__name__}; append what "
-                "dist.all_reduce(..., async_op=True) returns (it has .wait())"
-            )
-            w.wait()
-    dist.barrier()
-    _compare(model, want, where, ctx.world_size)
-    return 1
-
-
-def _check_grads(fn: Callable, kind: str, check: str) -> None:
-    require_callable(fn)
-    batch, want = _reference(draw_seed() % 2**31)  # a batch drawn afresh every grade run
-    for p in WORLD_SIZES:
-        try:
-            launch_learner(_grad_rank, p, fn, kind, batch, want, timeout=60.0, threads=1)
-        except Exception as e:
-            if getattr(e, "exc_type", None) in (
-                "AssertionError",
-                "WriteItYourself",
-            ):  # our verdict, raised on a rank
-                raise rank_verdict(e) from None
-            if type(e).__name__ == "LaunchTimeout":
-                raise AssertionError(
-                    f"{check}: world_size={p}: the ranks did not finish in 60 s; every rank must call the "
-                    "same collectives on tensors of the same shape, in the same order"
-                ) from None
-            raise
-    passed(check, f"gradients equal the whole batch's on {len(WORLD_SIZES)} world sizes")
+    for case in cases:
+        sizes, start = case["sizes"], sum(case["sizes"][: ctx.rank])
+        n = sizes[ctx.rank]
+        x, y = (t[start : start + n].to(ctx.device) for t in case["batch"])
+        model = _model().to(ctx.device)  # the learner's all-reduces run on this rank's device (NCCL: a GPU)
+        if n:
+            model(x, y).backward()
+        else:  # no samples: no loss to differentiate, a zero gradient
+            for q in model.parameters():
+                if q.requires_grad:
+                    q.grad = torch.zeros_like(q)
+        where = (f"average_gradients(ctx, model, local_samples={n}) on rank {ctx.rank} of world_size="
+                 f"{ctx.world_size}, the ranks holding {sizes} samples")  # fmt: skip
+        with unavailable(FORBIDDEN, "this exercise (average_gradients)"):
+            fn(ctx, model, n)
+        dist.barrier()
+        got, want = _flat(model, where), case["want"]
+        diff = (got - want).abs().max().item()
+        if diff <= TOL:
+            continue
+        total, c = sum(sizes), _scale_of(got, want)
+        why = f"differs from the gradient of the mean loss over all {total} samples by up to {diff:.3g}"
+        if (got - case["ranks_mean"]).abs().max() <= 1e-9:
+            why += ("; it is the plain average over the ranks, which counts a rank holding 1 sample as much as "
+                    "one holding 6")  # fmt: skip
+        elif (got - case["ranks_sum"]).abs().max() <= 1e-9:
+            why += "; it is the plain sum of the ranks' gradients"
+        elif (got - case["own"][ctx.rank]).abs().max() <= 1e-9:
+            why += "; it is still this rank's own gradient (nothing crossed the ranks?)"
+        elif c is not None:
+            why += f"; it is {c:.6g} times the expected gradient (the weights of the ranks' gradients must add up to 1)"
+        raise AssertionError(f"{where}: the gradient {why}")
+    return len(cases)
 
 
 def check_average_gradients(fn: Callable) -> None:
-    """`fn(ctx, model)` runs after backward and leaves every `.grad` averaged over the ranks."""
-    _check_grads(fn, "average", "check_average_gradients")
+    """`fn(ctx, model, local_samples)` runs after backward on shards of uneven size (each rank's loss the
+    mean over its own samples) and leaves in every `.grad` the gradient of the mean loss over all samples."""
+    require_callable(fn)
+    rnd = random.Random(draw_seed())  # shards and batches drawn afresh every grade run
+    for p in WORLD_SIZES:
+        cases = []
+        for empty in (True, False) if p > 1 else (False,):
+            sizes = _draw_shards(rnd, p, empty)
+            batch = _batch(sum(sizes), rnd.getrandbits(31))
+            bounds = [sum(sizes[:r]) for r in range(p + 1)]
+            own = [_flat_grad(batch[0][a:b], batch[1][a:b]) for a, b in zip(bounds, bounds[1:])]
+            cases.append({"sizes": sizes, "batch": batch, "want": _flat_grad(*batch), "own": own,
+                          "ranks_mean": sum(own) / p, "ranks_sum": sum(own)})  # fmt: skip
+        _launch(_average_rank, p, fn, cases, check="check_average_gradients")
+    passed("check_average_gradients", "uneven shards, empty ranks too, on 1 to 4 ranks")
+
+
+# ----------------------------------------------------------------------------- 3: the hook, accumulating
+def _counting_allreduce(counter: list[int]):
+    """Count the all-reduces of floating-point tensors this rank launches: every torch.distributed
+    all-reduce (and the lab's wrappers of it) ends in the process group's method. (The lab's wrappers
+    first all-reduce an int64 fingerprint of the call, to catch ranks that disagree: not counted.)"""
+    pg = torch._C._distributed_c10d.ProcessGroup
+    real = {n: getattr(pg, n) for n in ("allreduce", "allreduce_coalesced")}
+
+    def wrap(name):
+        def counted(self, *args, **kwargs):
+            tensors = args[0] if args and isinstance(args[0], (list, tuple)) else args[:1]
+            counter[0] += any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
+            return real[name](self, *args, **kwargs)
+
+        return counted
+
+    @contextlib.contextmanager
+    def cm():
+        try:
+            for n in real:
+                setattr(pg, n, wrap(n))
+            yield
+        finally:
+            for n, f in real.items():
+                setattr(pg, n, f)
+
+    return cm()
+
+
+def _hook_rank(ctx, fn: Callable, cases: list[dict]) -> int:
+    for case in cases:
+        _hook_case(ctx, fn, case)
+    return len(cases)
+
+
+def _hook_case(ctx, fn: Callable, case: dict) -> None:
+    import torch.distributed as dist
+
+    k, mb = case["accumulation"], case["micro_batch"]
+    x, y = (t[ctx.rank * k * mb : (ctx.rank + 1) * k * mb].to(ctx.device) for t in case["batch"])
+    model = _model().to(ctx.device)
+    pending: list = []
+    state = {"micro_step": 0, "bad": None}
+    counter = [0]
+
+    def hook(q: torch.Tensor) -> None:
+        before = len(pending)
+        fn(ctx, q, pending, state["micro_step"], k)
+        inside = torch._C._current_graph_task_id() != -1
+        added = len(pending) - before
+        last = state["micro_step"] == k - 1
+        if state["bad"] is None and (not inside or added != (1 if last else 0)):
+            state["bad"] = (state["micro_step"], added)
+
+    n_train = 0
+    for q in model.parameters():
+        if q.requires_grad:
+            q.register_post_accumulate_grad_hook(hook)
+            n_train += 1
+    with _counting_allreduce(counter), unavailable(FORBIDDEN, "this exercise (ddp_grad_hook)"):
+        for m in range(k):
+            state["micro_step"] = m
+            where = (f"ddp_grad_hook(ctx, param, pending, micro_step={m}, accumulation={k}) on rank "
+                     f"{ctx.rank} of world_size={ctx.world_size}, {mb} sample(s) per micro-batch")  # fmt: skip
+            counter[0] = 0
+            model(x[m * mb : (m + 1) * mb], y[m * mb : (m + 1) * mb]).backward()
+            if m < k - 1:
+                assert counter[0] == 0, (
+                    f"{where}: this micro-step launched {counter[0]} all-reduce(s); an optimizer step of {k} "
+                    f"micro-batches needs its gradients to cross the ranks once (torch's DDP: no_sync())"
+                )
+            else:
+                assert counter[0] == n_train, (
+                    f"{where}: the last micro-step launched {counter[0]} all-reduce(s), expected one per "
+                    f"parameter ({n_train})"
+                )
+            if state["bad"] is not None:
+                step, added = state["bad"]
+                raise AssertionError(
+                    f"{where.replace(f'micro_step={m}', f'micro_step={step}')}: a call appended {added} "
+                    "work(s) to `pending`; on the micro-step that communicates each call must start one "
+                    "asynchronous all-reduce inside backward and append its work, on the others none"
+                )
+    for w in pending:
+        assert hasattr(w, "wait"), (
+            f"{where}: `pending` holds a {type(w).__name__}; append what "
+            "dist.all_reduce(..., async_op=True) returns (it has .wait())"
+        )
+        w.wait()
+    dist.barrier()
+    got, want = _flat(model, where), case["want"]
+    diff = (got - want).abs().max().item()
+    if diff > TOL:
+        c = _scale_of(got, want)
+        said = f"; it is {c:.6g} times the expected gradient" if c is not None else ""
+        if c is not None and k > 1 and abs(c - k) < 1e-6:
+            said += f" ({k} = accumulation: .grad holds the gradients of {k} micro-batches added up)"
+        elif c is not None and ctx.world_size > 1 and abs(c - ctx.world_size) < 1e-6:
+            said += f" ({ctx.world_size} = world_size)"
+        raise AssertionError(
+            f"{where}: after the last micro-step the gradient differs from the gradient of the mean loss "
+            f"over all {ctx.world_size * k} micro-batches of all ranks by up to {diff:.3g}{said}"
+        )
 
 
 def check_ddp_grad_hook(fn: Callable) -> None:
-    """`fn(ctx, param, pending)`, called by autograd the moment `param.grad` is complete, starts an
-    asynchronous all-reduce that leaves the average in `param.grad` and appends its work to `pending`."""
-    _check_grads(fn, "hook", "check_ddp_grad_hook")
+    """`fn(ctx, param, pending, micro_step, accumulation)`, called by autograd the moment `param.grad` is
+    complete after each micro-batch's backward; communicates on the last micro-step only."""
+    require_callable(fn)
+    rnd = random.Random(draw_seed())  # accumulation, micro-batch size and batch drawn every grade run
+    for p in WORLD_SIZES:
+        cases = []
+        for k in (rnd.randint(2, 4), rnd.randint(1, 4)):
+            mb = rnd.randint(1, 3)
+            batch = _batch(p * k * mb, rnd.getrandbits(31))
+            cases.append({"accumulation": k, "micro_batch": mb, "batch": batch, "want": _flat_grad(*batch)})
+        _launch(_hook_rank, p, fn, cases, check="check_ddp_grad_hook")
+    passed("check_ddp_grad_hook", "one all-reduce per parameter per optimizer step, on 1 to 4 ranks")
 
 
-# ----------------------------------------------------------------------------- buckets
-def _names(buckets, names: dict[int, str], where: str) -> list[list[str]]:
+# ----------------------------------------------------------------------------- 2: buckets in ready order
+def _reference_buckets(params, bucket_bytes, order, late: bool = False) -> list[list[int]]:
+    """The lesson's rule, walked in `order` (indices into params); buckets of indices of first entries."""
+    first: dict[int, int] = {}
+    for i, q in enumerate(params):
+        first.setdefault(id(q), i)
+    buckets, cur, size, seen = [], [], 0, set()
+    for i in order:
+        q = params[i]
+        if not q.requires_grad or id(q) in seen:
+            continue
+        seen.add(id(q))
+        cur.append(first[id(q)])
+        size += q.numel() * q.element_size()
+        if (size > bucket_bytes) if late else (size >= bucket_bytes):
+            buckets.append(cur)
+            cur, size = [], 0
+    return buckets + ([cur] if cur else [])
+
+
+def _as_indices(buckets, params, where: str) -> list[list[int]]:
+    first: dict[int, int] = {}
+    for i, q in enumerate(params):
+        first.setdefault(id(q), i)
     assert isinstance(buckets, (list, tuple)), (
         f"{where}: return a list of buckets, got {type(buckets).__name__}"
     )
     out = []
-    for i, b in enumerate(buckets):
+    for j, b in enumerate(buckets):
         assert isinstance(b, (list, tuple)), (
-            f"{where}: bucket {i} must be a list of parameters, got {type(b).__name__}"
+            f"{where}: bucket {j} must be a list of parameters, got {type(b).__name__}"
         )
         row = []
-        for p in b:
-            assert id(p) in names, (
-                f"{where}: bucket {i} holds something that is not one of the given parameters"
+        for q in b:
+            assert id(q) in first, (
+                f"{where}: bucket {j} holds something that is not one of the given parameters"
             )
-            row.append(names[id(p)])
+            row.append(first[id(q)])
         out.append(row)
     return out
 
 
+def _ready_order_of(model: nn.Module, params: list) -> list[int]:
+    """The order in which `params`' gradients became ready in one real backward (post-accumulate hooks);
+    a tied weight's second listing right after its first readiness; frozen ones at the end."""
+    seen: list[int] = []
+    handles = [q.register_post_accumulate_grad_hook(lambda q: seen.append(id(q)))
+               for q in {id(q): q for q in params if q.requires_grad}.values()]  # fmt: skip
+    model(*_batch(2, 0)).backward()
+    for h in handles:
+        h.remove()
+    order = [i for pid in seen for i, q in enumerate(params) if id(q) == pid]
+    return order + [i for i in range(len(params)) if i not in order]
+
+
+def _draw_params(rnd: random.Random) -> tuple[list, str]:
+    n = rnd.randint(4, 9)
+    ps = [nn.Parameter(torch.zeros(rnd.randint(1, 40))) for _ in range(n)]
+    frozen = rnd.randrange(n)
+    ps[frozen].requires_grad_(False)
+    tied = rnd.choice([i for i in range(n) if i != frozen])
+    params = [*ps]
+    params.insert(rnd.randint(tied + 1, len(params)), ps[tied])  # a tied weight, listed a second time
+    first = {id(q): i for i, q in reversed([*enumerate(params)])}
+    label = "[" + ", ".join(f"p{first[id(q)]}: {q.numel()} floats" + ("" if q.requires_grad else ", frozen")
+                            for q in params) + "]"  # fmt: skip
+    return params, label
+
+
 def check_assign_buckets(fn: Callable) -> None:
-    """`fn(params, bucket_bytes)` -> list of buckets (lists of parameters), like `ddp.assign_buckets`."""
+    """`fn(params, bucket_bytes, ready_order)` -> list of buckets (lists of parameters): the lesson's rule
+    walked in the order the gradients became ready (`ready_order`, indices into `params`)."""
     require_callable(fn)
-    from parallel_lab.data_parallel import assign_buckets
-
+    rnd = random.Random(draw_seed())  # parameter lists, sizes, bucket sizes and ready orders: every grade run
     model = _model()
-    named = list(model.named_parameters())
-    params = [p for _, p in named] + [model.lm_head.weight]  # the tied weight, listed twice
-    names = {id(p): n for n, p in named}
-    total = sum(p.numel() * 8 for p in model.parameters() if p.requires_grad)
-    toy = [nn.Parameter(torch.zeros(n)) for n in (4, 2, 3, 5)]  # 16, 8, 12, 20 bytes (fp32)
-    frozen = nn.Parameter(torch.zeros(10), requires_grad=False)
-    toy_names = {id(p): c for p, c in zip(toy, "abcd")} | {id(frozen): "frozen"}
-    import random
-
-    rnd = random.Random(draw_seed())  # two bucket sizes and a parameter list drawn afresh every grade run
-    drawn = [nn.Parameter(torch.zeros(rnd.randint(1, 40))) for _ in range(rnd.randint(5, 9))]
-    drawn_names = {id(q): f"p{i}" for i, q in enumerate(drawn)}
-    cases = [(params, names, b, "TinyGPT") for b in (10 * total, total // 2, total // 3, 3000, 1000, 64, 1)]
-    cases += [(params, names, rnd.randint(65, total), "TinyGPT") for _ in range(2)]
-    cases += [
-        ([toy[0], frozen, toy[1], toy[2], toy[3]], toy_names, b, "a, frozen, b, c, d")
-        for b in (1, 20, 21, 36, 1e9)
+    gpt = [*model.parameters(), model.lm_head.weight]  # the tied weight, listed twice
+    total = sum(q.numel() * 8 for q in model.parameters() if q.requires_grad)
+    real = _ready_order_of(model, gpt)
+    names = {i: n for i, (n, _) in enumerate(model.named_parameters())} | {len(gpt) - 1: "lm_head.weight"}
+    gpt_label = "the check's GPT (" + ", ".join(f"{i}: {names[i]}" for i in range(len(gpt))) + ")"
+    cases = [
+        (gpt, b, real, gpt_label) for b in (10 * total, 1, rnd.randint(65, total // 2), rnd.randint(65, 3000))
     ]
-    label = ", ".join(f"p{i} ({q.numel()} elements)" for i, q in enumerate(drawn))
-    cases += [(drawn, drawn_names, rnd.randint(4, 200), label) for _ in range(2)]
-    for ps, nm, b, label in cases:
-        where = f"params = {label}, bucket_bytes = {b:g}"
-        got = _names(guarded(fn, FORBIDDEN, "this exercise (assign_buckets)")(ps, b), nm, where)
-        want = _names(assign_buckets(ps, b), nm, where)
-        if got != want:
-            flat_got = [n for row in got for n in row]
-            flat_want = [n for row in want for n in row]
-            if sorted(flat_got) != sorted(flat_want):
-                extra = (
-                    sorted(set(flat_got) - set(flat_want))
-                    or [n for n in flat_got if flat_got.count(n) > 1][:1]
-                )
-                missing = sorted(set(flat_want) - set(flat_got))
-                raise AssertionError(
-                    f"{where}: wrong parameters in the buckets; extra or repeated: {extra}, missing: {missing} "
-                    "(leave frozen parameters out; a tied weight listed twice goes in once)"
-                )
-            if flat_got != flat_want:
-                raise AssertionError(
-                    f"{where}: parameters in the wrong order; expected {flat_want[:4]}... (reverse registration "
-                    f"order: the last parameter first), got {flat_got[:4]}..."
-                )
+    shuffled = [*range(len(gpt))]
+    rnd.shuffle(shuffled)
+    cases.append((gpt, rnd.randint(65, total // 3), shuffled, gpt_label))
+    toy = [nn.Parameter(torch.zeros(n)) for n in (4, 2, 3)]
+    cases.append(
+        (
+            [toy[0], nn.Parameter(torch.zeros(2), requires_grad=False)],
+            4,
+            [1, 0],
+            "[p0: 4 floats, p1: 2 floats, frozen]",
+        )
+    )
+    cases.append(
+        ([toy[1], toy[2], toy[1]], 12, [2, 1, 0], "[p0: 2 floats, p1: 3 floats, p0 again]")
+    )  # tied: ready as p2
+    cases.append(
+        ([toy[1], toy[2], toy[0]], 8, [0, 2, 1], "[p0: 2 floats, p1: 3 floats, p2: 4 floats]")
+    )  # p0 fills 8
+    for _ in range(8):
+        params, label = _draw_params(rnd)
+        order = [*range(len(params))]
+        rnd.shuffle(order)
+        cases.append((params, rnd.randint(4, 120), order, label))  # fmt: skip
+    mine = guarded(fn, FORBIDDEN, "this exercise (assign_buckets)")
+    for params, b, order, label in cases:
+        where = f"assign_buckets(params={label}, bucket_bytes={b}, ready_order={order})"
+        got = _as_indices(mine(list(params), b, list(order)), params, where)
+        want = _reference_buckets(params, b, order)
+        if got == want:
+            continue
+        flat_got, flat_want = [i for r in got for i in r], [i for r in want for i in r]
+        if len(set(flat_got)) < len(flat_got):
+            raise AssertionError(f"{where}: a parameter is in your buckets twice (a tied weight listed twice "
+                                 "in params is one parameter)")  # fmt: skip
+        frozen = [i for i in flat_got if not params[i].requires_grad]
+        if frozen:
             raise AssertionError(
-                f"{where}: expected {len(want)} buckets of sizes {[len(r) for r in want]}, got {len(got)} of sizes "
-                f"{[len(r) for r in got]}; close a bucket as soon as it holds >= bucket_bytes"
+                f"{where}: your buckets hold frozen parameter(s) {frozen}: no gradient to reduce"
             )
+        if sorted(flat_got) != sorted(flat_want):
+            raise AssertionError(f"{where}: your buckets miss parameter(s) "
+                                 f"{sorted(set(flat_want) - set(flat_got))}")  # fmt: skip
+        reverse = [*range(len(params))][::-1]
+        if got == _reference_buckets(params, b, reverse):
+            raise AssertionError(f"{where}: your buckets follow the reversed registration order, not "
+                                 "ready_order (the order this model's gradients really became ready)")  # fmt: skip
+        if got == _reference_buckets(params, b, order[::-1]):
+            raise AssertionError(f"{where}: your buckets follow ready_order backwards (ready_order[0] became "
+                                 "ready first)")  # fmt: skip
+        if flat_got != flat_want:
+            raise AssertionError(f"{where}: parameters in a different order than they became ready: yours "
+                                 f"{flat_got}, ready: {flat_want}")  # fmt: skip
+        late = " (each of yours closes one parameter later than the lesson's rule)" if got == _reference_buckets(
+            params, b, order, late=True) else ""  # fmt: skip
+        raise AssertionError(f"{where}: the right order, cut differently: buckets of {[len(r) for r in got]} "
+                             f"parameters, expected {[len(r) for r in want]}{late}")  # fmt: skip
     passed("check_assign_buckets", f"all {len(cases)} cases")
 
 
-# ----------------------------------------------------------------------------- predict, then measure
-def _measure_ddp_bytes(ctx, bucket_bytes: int) -> dict:
-    """One BucketedDDP step (from-scratch ring all-reduces) of the check's small GPT: its buckets and
-    the bytes this rank sent."""
-    from parallel_lab.data_parallel import BucketedDDP, shard_batch
+# ----------------------------------------------------------------------------- 4: bytes with accumulation
+def _measure_ddp_bytes(ctx, cases: list[dict]) -> list[dict]:
+    """Per case, one optimizer step of `accumulation` micro-batches through BucketedDDP (from-scratch ring
+    all-reduces), the non-final micro-steps under no_sync() or each synced: its buckets and this rank's bytes."""
+    from parallel_lab.data_parallel import BucketedDDP
 
-    batch, _ = _reference()
-    x, y = (t.to(ctx.device) for t in shard_batch(batch, ctx.rank, ctx.world_size))
-    ddp = BucketedDDP(
-        _model().to(ctx.device), ctx, bucket_bytes=bucket_bytes, comm="ring", broadcast_params=False
-    )
-    before = sum(c.get("sent", 0) for c in ctx.recorder.comm.values())
-    ddp(x, y).backward()
-    ddp.finish_gradient_sync()
-    sent = sum(c.get("sent", 0) for c in ctx.recorder.comm.values()) - before
-    return {"buckets": [b.buffer.numel() for b in ddp.buckets], "itemsize": ddp.buckets[0].buffer.element_size(),
-            "sent": sent}  # fmt: skip
+    out = []
+    for case in cases:
+        k, no_sync = case["accumulation"], case["no_sync"]
+        x, y = (t.to(ctx.device) for t in _batch(k, 7 + ctx.rank))
+        ddp = BucketedDDP(_model().to(ctx.device), ctx, bucket_bytes=case["bucket_bytes"], comm="ring",
+                          broadcast_params=False)  # fmt: skip
+        before = sum(c.get("sent", 0) for c in ctx.recorder.comm.values())
+        for m in range(k):
+            with ddp.no_sync() if no_sync and m < k - 1 else contextlib.nullcontext():
+                ddp(x[m : m + 1], y[m : m + 1]).backward()
+                if not no_sync:
+                    ddp.finish_gradient_sync()  # every backward syncs, as torch's DDP does outside no_sync()
+        ddp.finish_gradient_sync()
+        sent = sum(c.get("sent", 0) for c in ctx.recorder.comm.values()) - before
+        out.append({"buckets": [b.buffer.numel() for b in ddp.buckets], "itemsize": ddp.buckets[0].buffer.element_size(),
+                    "sent": sent})  # fmt: skip
+    return out
 
 
 def check_ddp_bytes(fn: Callable) -> None:
-    """`fn(bucket_numels, p, rank, itemsize)` -> the bytes `rank` sends in one step of bucketed DDP whose
-    buckets hold `bucket_numels` elements each, every bucket all-reduced with the ring of lesson 01;
-    predicted, then compared with the byte counter of a real run (exactly)."""
+    """`fn(bucket_numels, p, rank, itemsize, accumulation, no_sync)` -> the bytes `rank` sends over one optimizer
+    step of `accumulation` micro-batches of BucketedDDP (every bucket ring all-reduced), the non-final
+    micro-steps under no_sync() or not; compared with the byte counter of real runs, exactly."""
     require_callable(fn)
-    fn = guarded(fn, {**FORBIDDEN, **family("parallel_lab.comms.cost", keep=("chunk_sizes",)), "parallel_lab.costmodel.formulas.allreduce_bytes_per_rank": ""},
-                 "this exercise (ddp_bytes)")  # fmt: skip
+    mine = guarded(fn, BYTES_FORBIDDEN, "this exercise (ddp_bytes)")
+    rnd = random.Random(draw_seed())  # bucket sizes, accumulation, no_sync: drawn every grade run
     cases = 0
-    drawn = 200 + draw_seed() % 2801  # the third run's bucket size, drawn afresh every grade run
-    for p, bucket_bytes in ((2, 1 << 30), (3, 2048), (4, drawn)):
-        for r, got in enumerate(
-            launch_learner(_measure_ddp_bytes, p, bucket_bytes, timeout=60.0, threads=1).values
-        ):
-            said = fn(list(got["buckets"]), p, r, got["itemsize"])
-            where = f"{len(got['buckets'])} bucket(s) of {got['buckets']} elements on {p} ranks, rank {r}"
-            hint = ""
-            total = sum(got["buckets"]) * got["itemsize"]
-            if said == 2 * (p - 1) * total / p or said == 2 * (p - 1) * total // p:
-                hint = " (2(p-1)/p is the average; each bucket's ring cuts it into chunks that differ by one element)"
-            assert said == got["sent"], (
-                f"{where}: you predict {said} bytes, the rank sent {got['sent']}{hint}"
-            )
-            cases += 1
-    passed("check_ddp_bytes", f"{cases} ranks in 3 runs sent exactly what you predicted")
+    for p in (2, 3, 4):
+        drawn = [{"bucket_bytes": rnd.randint(200, 3000), "accumulation": rnd.randint(2, 4), "no_sync": True},
+                 {"bucket_bytes": rnd.randint(200, 3000), "accumulation": rnd.randint(2, 4), "no_sync": False},
+                 {"bucket_bytes": rnd.choice((1 << 30, rnd.randint(200, 3000))), "accumulation": rnd.randint(1, 4),
+                  "no_sync": rnd.random() < 0.5}]  # fmt: skip
+        run = launch_learner(_measure_ddp_bytes, p, drawn, timeout=60.0, threads=1)
+        for r, measured in enumerate(run.values):
+            for case, got in zip(drawn, measured):
+                k, ns, b, size = case["accumulation"], case["no_sync"], got["buckets"], got["itemsize"]
+                said = mine(list(b), p, r, size, k, ns)
+                where = (f"ddp_bytes(bucket_numels={b}, p={p}, rank={r}, itemsize={size}, accumulation={k}, "
+                         f"no_sync={ns})")  # fmt: skip
+                hint = ""
+                syncs = 1 if ns else k
+                if said in (
+                    2 * (p - 1) * sum(b) * size * syncs / p,
+                    2 * (p - 1) * sum(b) * size * syncs // p,
+                ):
+                    hint = (
+                        " (2(p-1)/p is the ranks' average; each bucket's ring cuts it into chunks of its own)"
+                    )
+                elif k > 1 and said * syncs == got["sent"]:
+                    hint = " (that is one micro-step's bytes: how many of the micro-steps synced?)"
+                elif k > 1 and said == got["sent"] * k:
+                    hint = f" ({k} times what the rank sent: how many of the micro-steps synced?)"
+                assert said == got["sent"], (
+                    f"{where}: you predict {said} bytes, the rank sent {got['sent']}{hint}"
+                )
+                cases += 1
+    passed("check_ddp_bytes", "every rank sent exactly what you predicted, with and without no_sync()")
+
+
+# this module's references and helpers too (here, once they are defined: the module is still being imported)
+FORBIDDEN.update(family(__name__))
+BYTES_FORBIDDEN.update(family(__name__))

@@ -1,4 +1,4 @@
-"""The graders of lessons 03, 06, 07, 11 and 12 reject wrong answers, and say what went wrong.
+"""The graders of lessons 06, 07, 11 and 12 reject wrong answers, and say what went wrong.
 
 A check that every solution passes proves nothing unless it also fails the usual slips. Each
 test here feeds one check a right answer (the lab's own implementation, where its signature
@@ -12,46 +12,18 @@ import torch
 from solution_code import solution_namespace
 
 from parallel_lab.grading.checks.checkpointing import check_checkpoint_sequential, check_recompute
-from parallel_lab.grading.checks.data_parallel import check_assign_buckets, check_average_gradients
 from parallel_lab.grading.checks.moe import check_top_k_router
-from parallel_lab.grading.checks.precision import check_master_weight_step, check_update_scale
+from parallel_lab.grading.checks.precision import check_master_weight_step
 from parallel_lab.grading.checks.quantization import check_int8_matmul, check_quantize_absmax
 
 # The reference answers (the solution notebooks' code): the lab's own implementations are
 # switched off while a check runs, so a check is handed an answer written like a learner's.
 checkpoint_sequential = solution_namespace("07")["checkpoint_sequential"]
-assign_buckets = solution_namespace("03")["assign_buckets"]
 _q12 = solution_namespace("12")
 quantize_absmax, dequantize, int8_matmul = _q12["quantize"], _q12["dequantize"], _q12["int8_matmul"]
 
 
 # ----------------------------------------------------------------------------- lesson 06
-def _update_scale(scale, tracker, found_inf, growth, backoff, interval, *, keep_tracker_on_inf=False):
-    if found_inf:
-        return scale * backoff, (tracker if keep_tracker_on_inf else 0)
-    tracker += 1
-    if tracker == interval:
-        grown = scale * growth
-        return (grown if grown <= torch.finfo(torch.float32).max else scale), 0
-    return scale, tracker
-
-
-def test_update_scale_check(capsys):
-    check_update_scale(_update_scale)
-    assert "check_update_scale passed" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="restarts at 0"):
-        check_update_scale(lambda *a: _update_scale(*a, keep_tracker_on_inf=True))
-    with pytest.raises(AssertionError, match="expected \\(scale, growth_tracker\\)"):
-        # grows one step late: compares before counting the clean step
-        check_update_scale(
-            lambda s, t, f, g, b, i: (s * b, 0) if f else ((s * g, 0) if t == i else (s, t + 1))
-        )
-    with pytest.raises(AssertionError, match="beyond fp32"):
-        check_update_scale(
-            lambda s, t, f, g, b, i: (s * b, 0) if f else ((s * g, 0) if t + 1 == i else (s, t + 1))
-        )
-
-
 def _master_step(params, masters, optimizer, scale, *, unscale=True, skip=True, copy_back=True):
     for p, m in zip(params, masters):
         m.grad = p.grad.float() / (scale if unscale else 1.0)
@@ -194,30 +166,3 @@ def test_int8_matmul_check(capsys):
     for wrong in (int8_accumulator, one_scale):
         with pytest.raises(AssertionError):
             check_int8_matmul(wrong)
-
-
-# ----------------------------------------------------------------------------- lesson 03
-def _sum_gradients(ctx, model):  # forgets to divide by the world size
-    import torch.distributed as dist
-
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-
-
-def test_average_gradients_check_rejects_a_sum():
-    with pytest.raises(AssertionError, match="divide by world_size"):
-        check_average_gradients(_sum_gradients)
-    with pytest.raises(AssertionError, match="differs from the whole batch.s gradient"):
-        check_average_gradients(lambda ctx, model: None)
-
-
-def test_assign_buckets_check(capsys):
-    check_assign_buckets(assign_buckets)
-    assert "check_assign_buckets passed" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="reverse registration"):  # forward order
-        check_assign_buckets(lambda ps, b: [list(reversed(x)) for x in reversed(assign_buckets(ps, b))])
-    with pytest.raises(AssertionError, match="leave frozen parameters out"):
-        check_assign_buckets(lambda ps, b: [list(reversed(ps))])
-    with pytest.raises(AssertionError, match="buckets of sizes"):
-        check_assign_buckets(lambda ps, b: [[p for bucket in assign_buckets(ps, b) for p in bucket]])

@@ -18,54 +18,71 @@ FORBIDDEN = {
         f"torch.amp.grad_scaler.GradScaler.{m}": "" for m in ("update", "step", "unscale_", "_unscale_grads_")
     },
     "torch._amp_update_scale_": "",
+    # FSDP's scaler repeats the rule in Python for CPU scales
+    **{
+        f"torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler.{m}": ""
+        for m in ("update", "_amp_update_scale_cpu_", "unscale_", "_unscale_grads_")
+    },
     "torch._amp_foreach_non_finite_check_and_unscale_": "",
 }
 
-__all__ = ["check_master_weight_step", "check_update_scale", "check_smallest_update"]
+__all__ = ["check_master_weight_step", "check_skipped_steps", "check_smallest_update"]
 
-#: (init scale, growth factor, backoff factor, growth interval)
-_SETTINGS = ((2.0**16, 2.0, 0.5, 3), (1.0, 2.0, 0.5, 1), (1024.0, 4.0, 0.25, 2), (7.0, 1.5, 0.3, 5))
+FP16_MAX = 65504.0
 
 
-def check_update_scale(fn: Callable[..., tuple[float, int]]) -> None:
-    """`fn(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)` -> (scale, tracker),
-    compared step by step with `torch._amp_update_scale_`, the kernel `torch.amp.GradScaler.update` runs."""
+def _measured_skips(steps: int, grad_max: float, init_scale: float, growth_interval: int) -> int:
+    """Steps torch.amp.GradScaler skips when every step's largest unscaled gradient in fp16 is `grad_max`.
+
+    The model is one fp32 parameter computed with in fp16, as under autocast: the gradient reaching the
+    fp16 tensor is S * grad_max, converted to fp16 on its way, where it overflows or not."""
+    w = torch.zeros(4, requires_grad=True)  # the fp32 (master) parameter
+    opt = torch.optim.SGD([w], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=2.0, backoff_factor=0.5,
+                                  growth_interval=growth_interval)  # fmt: skip
+    skipped = 0
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = w.half().float().sum() * grad_max  # d loss / d (the fp16 tensor) = grad_max
+        before = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before  # a skipped step backs the scale off
+    return skipped
+
+
+def check_skipped_steps(fn: Callable[..., int]) -> None:
+    """`fn(steps, grad_max, init_scale, growth_interval)` -> how many of `steps` steps GradScaler (growth 2,
+    backoff 0.5) skips when every step's largest gradient is `grad_max` in fp16; predicted, then measured
+    on real fp16 backward passes under torch.amp.GradScaler("cpu")."""
     require_callable(fn)
-    fn = guarded(fn, FORBIDDEN, "this exercise (update_scale)")
-    rng = random.Random(draw_seed())  # overflow patterns drawn afresh every grade run
-    steps = 0
-    for init, growth, backoff, interval in _SETTINGS:
-        scale_t = torch.full((), init, dtype=torch.float32)
-        tracker_t = torch.zeros((), dtype=torch.int32)
-        ours = (init, 0)
-        pattern = [rng.random() < 0.25 for _ in range(60)]
-        for i, found in enumerate(pattern):
-            before = ours
-            torch._amp_update_scale_(
-                scale_t, tracker_t, torch.full((), float(found)), growth, backoff, interval
-            )
-            want = (scale_t.item(), int(tracker_t.item()))
-            got = fn(before[0], before[1], found, growth, backoff, interval)
-            where = (f"growth_factor={growth}, backoff_factor={backoff}, growth_interval={interval}, step {i}: "
-                     f"scale={before[0]:g}, growth_tracker={before[1]}, found_inf={found}")  # fmt: skip
-            assert isinstance(got, tuple) and len(got) == 2, (
-                f"{where}: return (scale, growth_tracker), got {got!r}"
-            )
-            assert math.isclose(float(got[0]), want[0], rel_tol=1e-6) and int(got[1]) == want[1], (
-                f"{where}: expected (scale, growth_tracker) = ({want[0]:g}, {want[1]}), got ({got[0]:g}, {got[1]})"
-                + (" (on an overflow: scale * backoff_factor, and the count restarts at 0)" if found else "")
-            )
-            ours = want
-            steps += 1
-    # Growing past fp32's largest number would make the scale inf: GradScaler keeps the old scale.
-    big = 2.0**127
-    got = fn(big, 1, False, 2.0, 0.5, 2)
-    assert isinstance(got, tuple) and got[0] == big and got[1] == 0, (
-        f"scale={big:g} (2^127), growth_tracker=1, growth_interval=2, a clean step: growing would give 2^128, "
-        f"beyond fp32's max {torch.finfo(torch.float32).max:.4g} where the scale lives; expected ({big:g}, 0) "
-        f"(keep the scale, restart the count), got {got!r}"
-    )
-    passed("check_update_scale", f"{steps + 1} steps match torch.amp.GradScaler's rule")
+    fn = guarded(fn, FORBIDDEN, "this exercise (skipped_steps)")
+    rnd = random.Random(draw_seed())  # gradients, scales, intervals and lengths drawn afresh every grade run
+    top = 2.0**15  # the scale at which the fixed edge cases sit at fp16's top
+    cases = [
+        (40, 1.0, 2.0**24, 5),  # the lesson's start at 2^24, halving down to what fits
+        (31, 65510.0 / top, top, 4),  # 65,510 is not an fp16 number, and yet no overflow
+        (31, 65520.0 / top, top, 4),  # halfway from 65,504 to 2^16: ties to even, 2^16, inf
+        (25, 0.0, 2.0**16, 1),  # nothing to overflow: the scale only grows
+        (60, 3.0, 1.0, 1),  # growth interval 1: the scale bounces off the ceiling
+    ]
+    for _ in range(5):
+        cases.append((rnd.randint(20, 300), round(10 ** rnd.uniform(-3, 3), 6), 2.0 ** rnd.randint(0, 24),
+                      rnd.randint(1, 40)))  # fmt: skip
+    for steps, grad_max, init_scale, interval in cases:
+        want = _measured_skips(steps, grad_max, init_scale, interval)
+        call = (f"skipped_steps(steps={steps}, grad_max={grad_max!r}, init_scale={init_scale:g}, "
+                f"growth_interval={interval})")  # fmt: skip
+        try:
+            got = fn(steps, grad_max, init_scale, interval)
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            raise AssertionError(f"{call}: your function raised {type(e).__name__}: {e}") from e
+        assert isinstance(got, int) and not isinstance(got, bool), f"{call}: return an int, got {got!r}"
+        assert got == want, f"{call}: you predict {got} skipped steps, GradScaler skipped {want}"
+    passed("check_skipped_steps", f"{len(cases)} runs of GradScaler predicted, step counts exact")
 
 
 def _reference(params, masters, optimizer, scale) -> bool:
@@ -146,17 +163,27 @@ def check_master_weight_step(fn: Callable[..., bool]) -> None:
 
 
 # ----------------------------------------------------------------------------- predict, then measure
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+}
+_LIMIT = {"fp16": 30000.0, "bf16": 1e30, "e4m3": 200.0, "e5m2": 20000.0}  # weights kept off each format's top
+
+
+def _stored(x: float, dtype: torch.dtype) -> float:
+    return torch.tensor(x, dtype=torch.float64).to(dtype).double().item()
 
 
 def _smallest_surviving(weight: float, dtype: torch.dtype) -> float:
-    """Bisection on the update u: the smallest u > 0 for which weight + u != weight, both in `dtype`."""
-    w = torch.tensor(weight, dtype=dtype)
+    """Bisection on the update u: the smallest u > 0 for which the exact sum weight + u, rounded to
+    `dtype`, is not the weight any more."""
 
     def survives(u: float) -> bool:
-        return bool((w + torch.tensor(u, dtype=dtype)) != w)
+        return _stored(weight + u, dtype) != weight
 
-    lo, hi = 1e-30, abs(weight)
+    lo, hi = 1e-45, abs(weight) if weight else 1.0
     assert survives(hi) and not survives(lo)
     for _ in range(200):
         mid = (lo * hi) ** 0.5 if hi / lo > 4 else (lo + hi) / 2
@@ -164,24 +191,38 @@ def _smallest_surviving(weight: float, dtype: torch.dtype) -> float:
     return hi
 
 
+def _drawn_weight(rnd: random.Random, name: str) -> float:
+    """A number of the format: either sign, anywhere from its subnormals to below its top."""
+    info = torch.finfo(_DTYPES[name])
+    low = math.log2(info.smallest_normal) - (10 if name in ("fp16", "bf16") else 2)  # into the subnormals
+    x = rnd.choice((-1.0, 1.0)) * 2.0 ** rnd.uniform(low, math.log2(_LIMIT[name]))
+    return _stored(x, _DTYPES[name]) or info.smallest_normal
+
+
 def check_smallest_update(fn: Callable[[float, str], float]) -> None:
-    """`fn(weight, dtype)` -> the smallest positive update that still changes `weight` when both are
-    in `dtype` ("fp16" or "bf16") and added there; predicted, then found by bisection on real 16-bit
-    additions (within 1%)."""
+    """`fn(weight, dtype)` -> the smallest positive update u for which weight + u, computed exactly and
+    rounded to `dtype` ("fp16", "bf16", "e4m3", "e5m2"), is no longer `weight`; `weight` is a number of that
+    format (zero, negative and subnormal ones included). Predicted, then found by bisection (within 1%)."""
     require_callable(fn)
     fn = guarded(fn, FORBIDDEN, "this exercise (smallest_update)")
-    cases = [(1.0, "fp16"), (1.0, "bf16"), (3.0, "fp16"), (0.1, "fp16"), (2.0, "fp16"), (1000.0, "bf16"),
-             (0.75, "bf16"), (60000.0, "fp16")]  # fmt: skip
-    rnd = random.Random(draw_seed())  # and two weights drawn afresh every grade run
-    cases += [(round(rnd.uniform(0.01, 50000.0), 4), "fp16"), (round(10 ** rnd.uniform(-3, 6), 4), "bf16")]
+    cases = [(1.0, "fp16"), (0.75, "bf16"), (-1.0, "fp16"), (-2.0, "e4m3"), (3.0, "e5m2"), (0.0, "e5m2"),
+             (2.0**-20, "fp16"), (-(2.0**-8), "e4m3"), (60000.0, "fp16"), (-1000.0, "bf16")]  # fmt: skip
+    rnd = random.Random(draw_seed())  # and one weight per format drawn afresh every grade run
+    cases += [(_drawn_weight(rnd, name), name) for name in _DTYPES]
     for weight, name in cases:
         measured = _smallest_surviving(weight, _DTYPES[name])
-        said = fn(weight, name)
+        call = f"smallest_update({weight!r}, {name!r})"
+        try:
+            said = fn(weight, name)
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            raise AssertionError(f"{call}: your function raised {type(e).__name__}: {e}") from e
         assert isinstance(said, (int, float)) and not isinstance(said, bool) and said > 0, (
-            f"smallest_update({weight}, {name!r}) must return a positive number, got {said!r}"
+            f"{call} must return a positive number, got {said!r}"
         )
         assert abs(said - measured) <= 0.01 * measured, (
-            f"weight {weight} in {name}: you predict updates from {said:.6g} on change it; measured: {measured:.6g} "
-            f"({said / measured:.3g}x). The spacing of {name} numbers next to the weight decides it"
+            f"{call}: you predict updates from {said:.6g} on change it; measured: {measured:.6g} "
+            f"({said / measured:.3g}x)"
         )
-    passed("check_smallest_update", f"{len(cases)} thresholds predicted within 1%")
+    passed("check_smallest_update", f"{len(cases)} thresholds in four formats predicted within 1%")

@@ -1,4 +1,4 @@
-"""The graders of lessons 06, 07, 11 and 12 reject wrong answers, and say what went wrong.
+"""The graders of lessons 07, 11 and 12 reject wrong answers, and say what went wrong.
 
 A check that every solution passes proves nothing unless it also fails the usual slips. Each
 test here feeds one check a right answer (the lab's own implementation, where its signature
@@ -13,7 +13,6 @@ from solution_code import solution_namespace
 
 from parallel_lab.grading.checks.checkpointing import check_checkpoint_sequential, check_recompute
 from parallel_lab.grading.checks.moe import check_top_k_router
-from parallel_lab.grading.checks.precision import check_master_weight_step
 from parallel_lab.grading.checks.quantization import check_int8_matmul, check_quantize_absmax
 
 # The reference answers (the solution notebooks' code): the lab's own implementations are
@@ -21,33 +20,6 @@ from parallel_lab.grading.checks.quantization import check_int8_matmul, check_qu
 checkpoint_sequential = solution_namespace("07")["checkpoint_sequential"]
 _q12 = solution_namespace("12")
 quantize_absmax, dequantize, int8_matmul = _q12["quantize"], _q12["dequantize"], _q12["int8_matmul"]
-
-
-# ----------------------------------------------------------------------------- lesson 06
-def _master_step(params, masters, optimizer, scale, *, unscale=True, skip=True, copy_back=True):
-    for p, m in zip(params, masters):
-        m.grad = p.grad.float() / (scale if unscale else 1.0)
-    if skip and not all(torch.isfinite(m.grad).all() for m in masters):
-        for m in masters:
-            m.grad = None
-        return False
-    optimizer.step()
-    if copy_back:
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                p.copy_(m)
-    return True
-
-
-def test_master_weight_step_check(capsys):
-    check_master_weight_step(_master_step)
-    assert "check_master_weight_step passed" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="divide the gradient"):
-        check_master_weight_step(lambda *a: _master_step(*a, unscale=False))
-    with pytest.raises(AssertionError, match="must be skipped"):
-        check_master_weight_step(lambda *a: _master_step(*a, skip=False))
-    with pytest.raises(AssertionError, match="rounded to"):
-        check_master_weight_step(lambda *a: _master_step(*a, copy_back=False))
 
 
 # ----------------------------------------------------------------------------- lesson 07

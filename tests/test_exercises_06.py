@@ -1,20 +1,16 @@
 """Lesson 06's exercises: how many steps GradScaler skips over a whole run (the lesson runs its rule one step
-at a time), the master-weight step, and the smallest update a weight feels in four formats (the lesson shows
+at a time), bf16 weights kept with compensated summation instead of fp32 masters, and the smallest update a weight feels in four formats (the lesson shows
 fp16 next to 1.0). Each check draws its cases afresh every grade run: an answer table logged in one run fails
 the next; wrong algorithms fail naming the mistake; torch's GradScaler and the lab's scaler are switched off."""
 
 from __future__ import annotations
 
 import pytest
-from solution_code import _check_cell, edit, run_check, solution_namespace, table_cheat_fails
-
-
-def _run(ns: dict, check: str) -> None:
-    exec(compile(_check_cell("06", check), f"<check cell {check}>", "exec"), ns)  # noqa: S102
+from solution_code import edit, run_check, table_cheat_fails
 
 
 def test_the_solutions_pass(capsys):
-    for check in ("check_skipped_steps", "check_master_weight_step", "check_smallest_update"):
+    for check in ("check_skipped_steps", "check_compensated_step", "check_smallest_update"):
         run_check("06", check)
     out = capsys.readouterr().out
     assert out.count(" passed: ") == 3, out
@@ -89,42 +85,38 @@ def test_a_table_of_one_runs_thresholds_fails_the_next():
     table_cheat_fails("06", "smallest_update", "check_smallest_update", 1.0, "you predict")
 
 
-def test_overflow_steps_move_between_runs():
-    """A learner who skips the steps one run overflowed on (not the ones holding inf) fails the next."""
-    ns = solution_namespace("06")
-    real, seen, step = ns["master_weight_step"], set(), [0]
+COMP = "compensated_step"
 
-    def logging(params, masters, optimizer, scale):
-        out = real(params, masters, optimizer, scale)
-        if not out:
-            seen.add(step[0] % 60)
-        step[0] += 1
-        return out
 
-    ns["master_weight_step"] = logging
-    _run(ns, "check_master_weight_step")
-    assert seen, "the check overflowed on no step"
-    calls = [0]
+@pytest.mark.parametrize(
+    "wrong, match",
+    [
+        # plain bf16 addition: every update below half a gap is lost
+        (edit("06", COMP, "y = u - c.float()", "y = u"), "gaps from an fp32 run"),
+        # the compensation added with the wrong sign
+        (edit("06", COMP, "y = u - c.float()", "y = u + c.float()"), "gaps from an fp32 run"),
+        # the compensation kept in fp32 (4 bytes per weight: the master copy again)
+        (edit("06", COMP, "c.copy_(((t.float() - p.float()) - y).to(torch.bfloat16))",
+              "comps[comps.index(c) if False else 0] = ((t.float() - p.float()) - y)"), "must stay bf16"),
+        # fp32 master weights kept outside, keyed by tensor: stale after the reload
+        ("import torch\n_m = {}\ndef compensated_step(params, comps, updates):\n"
+         "    for p, u in zip(params, updates):\n        m = _m.setdefault(id(p), p.float())\n"
+         "        m += u\n        p.copy_(m.to(torch.bfloat16))\n", "reloaded"),
+    ],
+    ids=["plain-bf16", "wrong-sign", "fp32-compensation", "hidden-fp32-masters"],
+)  # fmt: skip
+def test_wrong_compensated_steps_fail(wrong, match):
+    with pytest.raises(AssertionError, match=match):
+        run_check("06", "check_compensated_step", wrong)
 
-    def from_the_table(params, masters, optimizer, scale):
-        k, calls[0] = calls[0] % 60, calls[0] + 1
-        if k in seen:
-            for m in masters:
-                m.grad = None
-            return False
-        import torch
 
-        for p, m in zip(params, masters):
-            m.grad = p.grad.float() / scale
-        optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                p.copy_(m)
-        return True
-
-    ns["master_weight_step"] = from_the_table
-    with pytest.raises(AssertionError, match="step"):
-        _run(ns, "check_master_weight_step")
+def test_the_labs_optimizer_is_switched_off():
+    cheat = (
+        "from parallel_lab.precision import MixedPrecisionOptimizer\n"
+        "def compensated_step(params, comps, updates):\n    MixedPrecisionOptimizer.step(None)\n"
+    )
+    with pytest.raises(AssertionError, match="switched off"):
+        run_check("06", "check_compensated_step", cheat)
 
 
 def test_every_grad_scaler_in_torch_is_switched_off():

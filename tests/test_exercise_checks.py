@@ -1,4 +1,4 @@
-"""The graders of lessons 07, 11 and 12 reject wrong answers, and say what went wrong.
+"""The graders of lessons 11 and 12 reject wrong answers, and say what went wrong.
 
 A check that every solution passes proves nothing unless it also fails the usual slips. Each
 test here feeds one check a right answer (the lab's own implementation, where its signature
@@ -11,72 +11,13 @@ import pytest
 import torch
 from solution_code import solution_namespace
 
-from parallel_lab.grading.checks.checkpointing import check_checkpoint_sequential, check_recompute
 from parallel_lab.grading.checks.moe import check_top_k_router
 from parallel_lab.grading.checks.quantization import check_int8_matmul, check_quantize_absmax
 
 # The reference answers (the solution notebooks' code): the lab's own implementations are
 # switched off while a check runs, so a check is handed an answer written like a learner's.
-checkpoint_sequential = solution_namespace("07")["checkpoint_sequential"]
 _q12 = solution_namespace("12")
 quantize_absmax, dequantize, int8_matmul = _q12["quantize"], _q12["dequantize"], _q12["int8_matmul"]
-
-
-# ----------------------------------------------------------------------------- lesson 07
-class _KeepsEverything(torch.autograd.Function):
-    """Looks like a checkpoint, but runs the block with grad on: autograd keeps every activation."""
-
-    @staticmethod
-    def forward(ctx, run, x):
-        ctx.run = run
-        with torch.enable_grad():
-            xd = x.detach().requires_grad_()
-            ctx.y = run(xd)
-            ctx.x = xd
-        return ctx.y.detach()
-
-    @staticmethod
-    def backward(ctx, gy):
-        torch.autograd.backward(ctx.y, gy)
-        return None, ctx.x.grad
-
-
-class _Recompute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, run, x):
-        ctx.run = run
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return run(x)
-
-    @staticmethod
-    def backward(ctx, gy):
-        (x,) = ctx.saved_tensors
-        with torch.enable_grad():
-            xd = x.detach().requires_grad_()
-            y = ctx.run(xd)
-        torch.autograd.backward(y, gy)
-        return None, xd.grad
-
-
-def test_recompute_check(capsys):
-    check_recompute(_Recompute)
-    assert "check_recompute passed" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="keeps exactly 1"):
-        check_recompute(_KeepsEverything)
-
-
-def test_checkpoint_sequential_check(capsys):
-    check_checkpoint_sequential(checkpoint_sequential)
-    assert "check_checkpoint_sequential passed" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="switched off"):  # the lab's own, wrapped
-        from parallel_lab.checkpointing import checkpoint_sequential as ours
-
-        check_checkpoint_sequential(
-            lambda blocks, segments, x: ours(blocks, segments, x, checkpoint_last=True)
-        )
-    with pytest.raises(AssertionError):  # no checkpointing at all
-        check_checkpoint_sequential(lambda blocks, segments, x: blocks(x))
 
 
 # ----------------------------------------------------------------------------- lesson 11

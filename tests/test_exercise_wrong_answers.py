@@ -27,21 +27,7 @@ WRONG = [
     # ---- 04 ZeRO: tests/test_exercises_04.py
     # ---- 05 offload: tests/test_exercises_05.py
     # ---- 06 mixed precision: tests/test_exercises_06.py
-    # ---- 07 checkpointing
-    ("07", "check_recompute", "wraps torch.utils.checkpoint", '''
-import torch
-import torch.utils.checkpoint as tuc
-class Recompute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, run, x):
-        return x
-    apply = staticmethod(lambda run, x: tuc.checkpoint(run, x, use_reentrant=True))
-''', "build the recomputation yourself"),
-    ("07", "check_checkpoint_sequential", "wraps the lab's", "from parallel_lab.checkpointing import checkpoint_sequential as ours\n"
-     "def checkpoint_sequential(blocks, segments, x):\n    return ours(blocks, segments, x, checkpoint_last=True)\n", "switched off"),
-    ("07", "check_checkpoint_sequential", "drops the remainder blocks", edit("07", "checkpoint_sequential", "size = q + (1 if k < r else 0)", "size = q"), "should run twice"),
-    ("07", "check_peak_saved", "counts the recomputed segment's input twice", edit("07", "peak_saved", "j + size * linears", "j + 1 + size * linears"), "autograd held"),
-    ("07", "check_peak_saved", "the after-forward count", "def peak_saved(layers, linears, segments):\n    return segments\n", "autograd held"),
+    # ---- 07 checkpointing: tests/test_exercises_07.py
     # ---- 08 tensor parallel
     ("08", "check_column_parallel_linear", "wraps the lab's layer", P + '''
 from parallel_lab.tensor_parallel import ColumnParallelLinear
@@ -99,7 +85,6 @@ def quantize(x):
     ("12", "check_int8_matmul", "wraps the lab's", "from parallel_lab.quantization import int8_matmul as ours\ndef int8_matmul(qa, sa, qb, sb):\n    return ours(qa, sa, qb, sb)\n", "switched off"),
     ("12", "check_error_bound", "a whole step", "def error_bound(absmax):\n    return absmax / 127\n", "loose"),
     ("12", "check_error_bound", "255 levels of 256", "def error_bound(absmax):\n    return absmax / 255 / 2\n", "quantizing made an error"),
-    ("07", "check_recompute", "wraps the lab's Function", "import torch\nfrom parallel_lab.checkpointing import recompute\nclass Recompute(torch.autograd.Function):\n    apply = staticmethod(lambda run, x: recompute._Recompute.forward(None, run, x))\n", "switched off"),
     ("08", "check_row_parallel_linear", "wraps the lab's layer", P + "from parallel_lab.tensor_parallel import RowParallelLinear\nclass RowParallelLinearFn(torch.autograd.Function):\n    apply = staticmethod(lambda x, w, b, ctx, group=None: RowParallelLinear.forward(None, x))\n", "switched off"),
     ("10", "check_comm_bytes_per_layer", "wraps the lab's formula", "from parallel_lab.tensor_parallel import tp_comm_bytes_per_layer\ndef comm_bytes_per_layer(b, s, h, tp, dp, itemsize=2):\n    return {'tp': tp_comm_bytes_per_layer(b, s, h, tp, itemsize), 'dp': 0}\n", "switched off"),
     ("11", "check_dispatch_combine", "wraps the lab's layer", P + "from parallel_lab.moe import expert_parallel as ep\ndef dispatch_combine(ctx, x, expert_tokens, expert_gates, experts):\n    return ep.ExpertParallelMoE._exact(None, x)\n", "switched off"),

@@ -1,11 +1,118 @@
-"""Lesson 07's checks draw weights, inputs, one spacing and two stack shapes afresh every grade run: an
-answer table logged in one run fails the next."""
+"""Lesson 07's exercises: selective recomputation of an MLP (the lesson recomputes whole blocks), the cut of
+unequal blocks with the smallest peak (the lesson cuts equal ones), and the bytes each policy keeps. Each: the solution passes, the wrong algorithms below fail naming the mistake, the lab's and
+torch's checkpointing is switched off, and an answer table logged in one grade run fails the next."""
 
 from __future__ import annotations
 
-from solution_code import table_cheat_fails
+import pytest
+from solution_code import edit, run_check, table_cheat_fails
+
+
+def test_the_solutions_pass(capsys):
+    for check in ("check_selective_mlp", "check_best_segments", "check_peak_saved"):
+        run_check("07", check)
+    assert capsys.readouterr().out.count(" passed: ") == 3
+
+
+MLP = "SelectiveMLP"
+
+
+@pytest.mark.parametrize(
+    "wrong, match",
+    [
+        # gelu(h) kept too: twice the bytes
+        (edit("07", MLP, "ctx.save_for_backward(x, w1, w2, h)", "ctx.save_for_backward(x, w1, w2, h, torch.nn.functional.gelu(h))"),
+         "it should keep exactly the first product"),
+        # the full checkpoint of the lesson: keep only the input, rebuild h with a product
+        (edit("07", MLP, "ctx.save_for_backward(x, w1, w2, h)", "ctx.save_for_backward(x, w1, w2)")
+         .replace("x, w1, w2, h = ctx.saved_tensors", "x, w1, w2 = ctx.saved_tensors\n        h = x @ w1.T"),
+         "saves 0 bytes"),
+        # gelu's derivative forgotten
+        (edit("07", MLP, "(grad_h,) = torch.autograd.grad(a, h, grad_a)", "grad_h = grad_a"), "gradient of x differs"),
+        # the weight gradients transposed
+        (edit("07", MLP, "grad_h.T @ x, grad_y.T @ a.detach()", "x.T @ grad_h, a.detach().T @ grad_y"), "gradient of w1|shape|size"),
+    ],
+    ids=["keeps-gelu-too", "full-recompute", "no-gelu-derivative", "transposed-weight-grads"],
+)  # fmt: skip
+def test_wrong_selective_functions_fail(wrong, match):
+    with pytest.raises((AssertionError, RuntimeError), match=match):
+        run_check("07", "check_selective_mlp", wrong)
+
+
+def test_torchs_selective_checkpoint_is_switched_off():
+    cheat = (
+        "import torch\nfrom torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts\n"
+        "class SelectiveMLP(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, x, w1, w2):\n"
+        "        create_selective_checkpoint_contexts([torch.ops.aten.mm.default])\n"
+    )
+    with pytest.raises(AssertionError, match="switched off"):
+        run_check("07", "check_selective_mlp", cheat)
+
+
+SEG = "best_segments"
+
+
+@pytest.mark.parametrize(
+    "wrong, match",
+    [
+        # the lesson's equal cut, whatever the blocks
+        ("def best_segments(linears, segments):\n    q, r = divmod(len(linears), segments)\n"
+         "    return [q + (1 if j < r else 0) for j in range(segments)]\n", "another cut holds only"),
+        # equal shares of saved tensors, ignoring that earlier segments' inputs stay alive
+        (edit("07", SEG, "out = max(out, j + sum(linears[start : start + s]))", "out = max(out, sum(linears[start : start + s]))"),
+         "another cut holds only"),
+        # the last segment's length forgotten
+        (edit("07", SEG, "sizes = [b - a for a, b in zip(edges, edges[1:])]", "sizes = [b - a for a, b in zip(edges, edges[1:])][:-1]"),
+         "segment sizes that add up"),
+    ],
+    ids=["equal-cut", "ignores-held-inputs", "drops-last-segment"],
+)  # fmt: skip
+def test_wrong_cuts_fail(wrong, match):
+    for _ in range(3):  # a drawn stack may be one where the mistake costs nothing: a few runs expose it
+        try:
+            run_check("07", "check_best_segments", wrong)
+        except AssertionError as e:
+            assert match in str(e), e
+            return
+    pytest.fail("three grade runs in a row accepted a wrong cut")
+
+
+PEAK = "peak_saved"
+
+
+@pytest.mark.parametrize(
+    "wrong, match",
+    [
+        # gelu's saved input forgotten: only the two products' inputs
+        (edit("07", PEAK, "return layers * (x + 2 * h)", "return layers * (x + h)"), "autograd held"),
+        # the full checkpoint's recomputation forgotten: inputs only
+        (edit("07", PEAK, "return layers * x + 2 * h", "return layers * x"), "autograd held"),
+        # selective taken to keep gelu(h) as well
+        (edit("07", PEAK, "return layers * (x + h)", "return layers * (x + 2 * h)"), "autograd held"),
+        # float64 assumed
+        (edit("07", PEAK, "x, h = 4 * n * d, 4 * n * f", "x, h = 8 * n * d, 8 * n * f"), "autograd held"),
+    ],
+    ids=["none-without-gelu-input", "full-without-recompute", "selective-keeps-gelu", "float64"],
+)  # fmt: skip
+def test_wrong_peaks_fail(wrong, match):
+    with pytest.raises(AssertionError, match=match):
+        run_check("07", "check_peak_saved", wrong)
+
+
+def test_the_labs_measurements_are_switched_off():
+    cheat = (
+        "from parallel_lab.checkpointing import predict_saved\n"
+        "def peak_saved(layers, n, d, f, policy):\n    return predict_saved(layers, 3, layers)\n"
+    )
+    with pytest.raises(AssertionError, match="switched off"):
+        run_check("07", "check_peak_saved", cheat)
 
 
 def test_a_table_of_one_runs_peaks_fails_the_next():
-    # two shapes of about 2,600 are drawn per run: a miss within three runs is near certain
-    table_cheat_fails("07", "peak_saved", "check_peak_saved", 0, "you predict a peak of 0", tries=3)
+    table_cheat_fails("07", PEAK, "check_peak_saved", 0, "you predict 0 bytes", tries=3)
+
+
+def test_a_table_of_one_runs_cuts_fails_the_next():
+    key = lambda linears, segments: (tuple(linears), segments)  # noqa: E731
+    table_cheat_fails("07", SEG, "check_best_segments", [], "positive segment sizes", key=key, tries=3)

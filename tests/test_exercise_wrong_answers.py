@@ -73,18 +73,7 @@ def route_top_k(probs, k, capacity):
     ("11", "check_padded_dispatch_bytes", "its own experts travel too", edit("11", "padded_dispatch_bytes", "(p - 1) * (experts // p)", "p * (experts // p)"), "the dispatch sent"),
     ("11", "check_padded_dispatch_bytes", "capacity rounded down", edit("11", "padded_dispatch_bytes", "C = math.ceil(", "C = math.floor("), "the dispatch sent"),
     ("11", "check_padded_dispatch_bytes", "the lab's capacity", "from parallel_lab.moe import expert_capacity\ndef padded_dispatch_bytes(n, E, k, f, d, p, i):\n    return (p - 1) * (E // p) * expert_capacity(n, E, f, k) * d * i\n", "switched off"),
-    # ---- 12 quantization
-    ("12", "check_quantize_absmax", "truncates", edit("12", "quantize", "torch.round(", "torch.trunc("), "wrong int8 value"),
-    ("12", "check_quantize_absmax", "wraps torch", '''
-import torch
-def quantize(x):
-    s = x.abs().max() / 127
-    return torch.quantize_per_tensor(x, float(s), 0, torch.qint8).int_repr(), s
-''', "switched off"),
-    ("12", "check_int8_matmul", "accumulates in int8", edit("12", "int8_matmul", "qa.to(torch.int32) @ qb.to(torch.int32)", "(qa.to(torch.int32) @ qb.to(torch.int32)).to(torch.int8).to(torch.int32)"), "wrong value"),
-    ("12", "check_int8_matmul", "wraps the lab's", "from parallel_lab.quantization import int8_matmul as ours\ndef int8_matmul(qa, sa, qb, sb):\n    return ours(qa, sa, qb, sb)\n", "switched off"),
-    ("12", "check_error_bound", "a whole step", "def error_bound(absmax):\n    return absmax / 127\n", "loose"),
-    ("12", "check_error_bound", "255 levels of 256", "def error_bound(absmax):\n    return absmax / 255 / 2\n", "quantizing made an error"),
+    # ---- 12 quantization: tests/test_exercises_12.py
     ("08", "check_row_parallel_linear", "wraps the lab's layer", P + "from parallel_lab.tensor_parallel import RowParallelLinear\nclass RowParallelLinearFn(torch.autograd.Function):\n    apply = staticmethod(lambda x, w, b, ctx, group=None: RowParallelLinear.forward(None, x))\n", "switched off"),
     ("10", "check_comm_bytes_per_layer", "wraps the lab's formula", "from parallel_lab.tensor_parallel import tp_comm_bytes_per_layer\ndef comm_bytes_per_layer(b, s, h, tp, dp, itemsize=2):\n    return {'tp': tp_comm_bytes_per_layer(b, s, h, tp, itemsize), 'dp': 0}\n", "switched off"),
     ("11", "check_dispatch_combine", "wraps the lab's layer", P + "from parallel_lab.moe import expert_parallel as ep\ndef dispatch_combine(ctx, x, expert_tokens, expert_gates, experts):\n    return ep.ExpertParallelMoE._exact(None, x)\n", "switched off"),
@@ -137,7 +126,6 @@ def quantize(x):
     ("18", "check_delayed_scale", "keeps every amax", edit("18", "delayed_scale", "[-length:]", ""), "keep the last"),
     ("18", "check_delayed_scale", "scale upside down", edit("18", "delayed_scale", "largest / max(history)", "max(history) / largest"), "expected largest / max(history)"),
     ("18", "check_delayed_scale", "wraps the lab's", "from parallel_lab.precision import DelayedScaling\ndef delayed_scale(history, amax, largest, length):\n    d = DelayedScaling('e4m3', length)\n    for a in history:\n        d.record(a)\n    s = d.scale\n    d.record(amax)\n    return s, list(d.amaxes)\n", "switched off"),
-    ("12", "check_error_bound", "reads the lab's scale", "import torch\nfrom parallel_lab.quantization import absmax_scale\ndef error_bound(absmax):\n    return float(absmax_scale(torch.tensor([absmax]))) / 2\n", "switched off"),
 ]  # fmt: skip
 
 

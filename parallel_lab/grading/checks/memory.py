@@ -4,8 +4,9 @@ measured in real steps, and the peak of an allocation trace under a caching allo
 from __future__ import annotations
 
 import functools
+import numbers
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
 
@@ -22,6 +23,16 @@ TORCH_TRACKERS = (
 )
 # The optimizers the calculator covers: running one step and counting its state would skip the exercise.
 TORCH_OPTIMIZERS = ("torch.optim.adagrad", "torch.optim.rmsprop", "torch.optim.adam", "torch.optim.adadelta")
+# torch's private functional copies of them build the same state (in __init__ or step, readable from
+# `.state` even when the update itself fails), and AdamW's keeps AMSGrad's running maximum as Adam's does.
+TORCH_PRIVATE_OPTIMIZERS = (
+    "torch.distributed.optim.functional_adagrad",
+    "torch.distributed.optim.functional_rmsprop",
+    "torch.distributed.optim.functional_adadelta",
+    "torch.distributed.optim.functional_adam",
+    "torch.distributed.optim.functional_adamw",
+    "torch.optim._functional",
+)
 # torch's peak-memory replays and estimators (module, or module.name where the module is large).
 TORCH_PEAKS = (
     "torch._inductor.memory",
@@ -52,6 +63,9 @@ def _no_enum_machinery(targets: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in targets.items() if not k.endswith(("._generate_next_value_", "._missing_"))}
 
 
+_READ_THE_DOCS = "work the state out from the algorithm in torch's documentation"
+
+
 @functools.cache
 def calculator_forbidden() -> dict[str, str]:
     """What is switched off while the learner's `memory_calculator` runs (built on first use: torch's
@@ -60,11 +74,20 @@ def calculator_forbidden() -> dict[str, str]:
         {
             **family(*LAB, _SELF),
             **family(*TORCH_TRACKERS, missing_ok=True),
-            **family(
-                *TORCH_OPTIMIZERS, instead="work the state out from the algorithm in torch's documentation"
-            ),
+            **family(*TORCH_OPTIMIZERS, instead=_READ_THE_DOCS),
+            **_quietly(family, *TORCH_PRIVATE_OPTIMIZERS, instead=_READ_THE_DOCS, missing_ok=True),
         }
     )
+
+
+def _quietly(f: Callable, *args, **kwargs):
+    # torch.distributed.optim's functional modules warn, on import, that torch.jit.script is deprecated:
+    # the check cell's output must stay one line
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return f(*args, **kwargs)
 
 
 @functools.cache
@@ -88,10 +111,13 @@ _DTYPE = {"fp32": "fp32", "mixed": "fp16", "bf16": "bf16"}  # of the weights and
 _TINY = {"vocab": 16, "seq_len": 4, "d_model": 8, "n_heads": 2, "n_layers": 1}
 
 
-@functools.cache
 def calculator_measurements() -> tuple[int, dict]:
     """(parameters of a tiny GPT, {(optimizer, precision): bytes per parameter of param/grad/optim}) from one
-    real training step each, measured under MemoryTracker; every count is a whole number per parameter."""
+    real training step each, measured under MemoryTracker; every count is a whole number per parameter.
+
+    Measured afresh on every call (a tenth of a second), and kept in no cache: a plain function, it is
+    switched off with the rest of this module while the learner's function runs, and no stored table of
+    the answers outlives the check."""
     import torch
 
     from parallel_lab.models import GPTConfig, build_model, synthetic_batch
@@ -118,40 +144,63 @@ def _call(fn: Callable, n: int, opt: str, prec: str, where: str) -> dict:
     from parallel_lab.grading.checks import call_learner
 
     got = call_learner(fn, where, n, opt, prec)
-    assert isinstance(got, dict), f"{where} must return a dict with keys {_KEYS}, got {type(got).__name__}"
+    assert isinstance(got, Mapping), f"{where} must return a dict with keys {_KEYS}, got {type(got).__name__}"
     missing = [k for k in _KEYS if k not in got]
     assert not missing, f"{where} returned keys {sorted(got)}; missing {missing}"
     for k in _KEYS:
         v = got[k]
-        assert isinstance(v, (int, float)) and not isinstance(v, bool), (
-            f"{where}[{k!r}] must be a number of bytes, got {type(v).__name__}"
-        )
+        assert _is_number(v), f"{where}[{k!r}] must be a number of bytes, got {type(v).__name__}"
     parts = got["param"] + got["grad"] + got["optim"]
     assert got["total"] == parts, f"{where}: total {got['total']:,} is not param + grad + optim = {parts:,}"
     return got
 
 
+def _is_number(v) -> bool:
+    # numpy's integers and floats are numbers.Real too; a bool is not a count of bytes
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+_REREAD = (
+    "reread {opt}'s update rule in torch's documentation: which quantities does it read back from step t-1, "
+    "and which of them hold a value per parameter (a step counter is one number per parameter tensor, "
+    "left out)"
+)
+
+
 def _why_optim(opt: str, prec: str, per: float, want: int) -> str:
-    """What a wrong optimizer-state count most likely missed (`per`: the learner's bytes per parameter)."""
+    """What a wrong optimizer-state count most likely missed (`per`: the learner's bytes per parameter).
+    It never says by how many state tensors the count is off: that count is the exercise."""
     d, s = per - want, _STATE_BYTES[prec]
-    if prec == "mixed" and d == -4:
-        return (
+    if prec == "mixed" and d <= -4:
+        # fp32 passed before mixed is asked, so the states are right there: the master copy goes first
+        why = (
             "in mixed precision the optimizer steps an fp32 master copy of the 16-bit weights, 4 bytes per "
             "parameter it holds beside its states"
         )
+        return why if d == -4 else why + "; and with it added you still count fewer state bytes than measured"
     if d != int(d) or int(d) % s:
         return f"that is not a whole number of {s}-byte state tensors per parameter on top of what is fixed"
-    k = int(d) // s
-    what = f"{abs(k)} state tensor{'s' if abs(k) > 1 else ''} the size of the weights too {'many' if k > 0 else 'few'}"
-    if opt == "adam_amsgrad" and k < 0:
-        what += (
-            ": with amsgrad=True the algorithm also carries a quantity plain Adam does not, from step to step"
+    what = _REREAD.format(opt=_torch_name(opt))
+    if opt == "adam_amsgrad" and d < 0:
+        what = (
+            "with amsgrad=True the algorithm also carries a quantity plain Adam does not, from step to step"
         )
-    elif opt == "rmsprop" and k > 0:
-        what += ": torch's RMSprop defaults to momentum=0, and without momentum its algorithm keeps no buffer for it"
-    elif opt == "adagrad" and k < 0:
-        what += ": Adagrad's update divides by something it accumulates over every step so far; that is state"
+    elif opt == "rmsprop" and d > 0:
+        what = "torch's RMSprop defaults to momentum=0, and without momentum its algorithm keeps no buffer for it"
+    elif opt == "adagrad" and d < 0:
+        what = "Adagrad's update divides by something it accumulates over every step so far; that is state"
     return what
+
+
+def _torch_name(opt: str) -> str:
+    return {
+        "adagrad": "Adagrad",
+        "rmsprop": "RMSprop (momentum=0)",
+        "rmsprop_momentum": "RMSprop with momentum",
+        "rmsprop_centered": "centered RMSprop with momentum",
+        "adam_amsgrad": "Adam with amsgrad=True",
+        "adadelta": "Adadelta",
+    }.get(opt, opt)
 
 
 def check_memory_calculator(fn: Callable[[int, str, str], dict]) -> None:
@@ -323,47 +372,87 @@ FIXED = [
 ]
 
 
-def _show(label: str, events: list[tuple], block: int) -> str:
-    shown = repr(events) if len(events) <= 8 else f"<{len(events)} events>"
+_SHOWN = 16  # a trace up to this long is printed in full in a failure message
+
+
+def _show(label: str, events: list[tuple], block: int, full: bool = False) -> str:
+    shown = repr(events) if full or len(events) <= _SHOWN else f"<{len(events)} events>"
     return f"{label}: peak_memory(events={shown}, block={block})"
 
 
+def _judge(fn: Callable, label: str, events: list[tuple], block: int, full: bool = False) -> None:
+    """Raise AssertionError, naming the mistake, when `fn`'s answer on this one trace is wrong."""
+    from parallel_lab.grading.checks import call_learner
+
+    where = _show(label, events, block, full)
+    got = call_learner(fn, where, list(events), block)
+    assert isinstance(got, tuple) and len(got) == 2, f"{where}: return (peak, by_category), got {got!r:.80}"
+    peak, cats = got
+    assert _is_number(peak), f"{where}: peak must be a number of bytes, got {type(peak).__name__}"
+    want_peak, want_cats = reference_peak(events, block)
+    if peak != want_peak:
+        if peak == _replay(events, int)[0]:
+            why = "that is the peak of the bytes asked for: each tensor occupies whole blocks"
+        elif peak == _replay_rounding_total(events, block):
+            why = "that rounds the running total; each tensor gets blocks of its own (three 1-byte tensors take three)"
+        elif peak == _replay(events, lambda b, block=block: round(b / block) * block)[0]:
+            why = (
+                "that rounds each size to the nearest multiple; a tensor never fits in less than it asked for"
+            )
+        else:
+            why = "replay every event, each allocation at the size of the block it occupies"
+        raise AssertionError(f"{where}: peak {peak:,} bytes, expected {want_peak:,}: {why}")
+    assert isinstance(cats, Mapping), (
+        f"{where}: by_category must be a dict {{category: bytes}}, got {type(cats).__name__}"
+    )
+    bad = [k for k, v in cats.items() if not _is_number(v)]
+    assert not bad, (
+        f"{where}: by_category[{bad[0]!r}] must be a number of bytes, got {type(cats[bad[0]]).__name__}"
+    )
+    cats = {k: v for k, v in cats.items() if v}
+    if cats != want_cats:
+        why = (
+            "that is the last moment the peak was reached; report the first"
+            if cats == _replay(events, lambda b, block=block: _up(b, block), last=True)[1]
+            else "report what each category occupied at the first moment of the peak"
+        )
+        raise AssertionError(f"{where}: at the peak you have {cats}, expected {want_cats}: {why}")
+
+
+def _shortest_failing_start(fn: Callable, label: str, events: list[tuple], block: int) -> int | None:
+    """The fewest leading events of a trace on which `fn` is wrong (each start of a trace is a trace)."""
+    for k in range(1, len(events) + 1):
+        try:
+            _judge(fn, label, events[:k], block)
+        except AssertionError:
+            return k
+    return None  # right on every start, wrong on the whole: a function that remembers earlier calls
+
+
 def check_peak_memory(fn: Callable[..., tuple]) -> None:
-    """`fn(events, block=512)` -> (peak, by_category): replay ("alloc", name, nbytes, category) and
-    ("free", name) in order, each allocation occupying nbytes rounded up to a multiple of `block` (0 stays 0);
-    `peak` is the largest total occupied, `by_category` what each category occupied at the first moment of
-    it (categories with nothing left out). Fixed edge cases, then traces and blocks drawn every grade run."""
+    """`fn(events, block=512)` -> (peak, by_category) of a trace of ("alloc", name, nbytes, category) and
+    ("free", name): the peak of what the caching allocator's memory_allocated() would report, with `block`
+    in place of its 512-byte kMinBlockSize, and what each category occupied at the first moment of it
+    (categories that occupy nothing left out). Fixed edge cases, then traces and blocks drawn every grade
+    run. A wrong answer on a long drawn trace is shown on the shortest start of it that is also wrong."""
     require_callable(fn)
     fn = guarded(fn, peak_forbidden(), "this exercise (peak_memory)")
     from parallel_lab.grading.checks import call_learner
 
     cases = [*FIXED, *drawn_cases(draw_seed())]
     for label, events, block in cases:
-        where = _show(label, events, block)
-        got = call_learner(fn, where, list(events), block)
-        assert isinstance(got, tuple) and len(got) == 2, (
-            f"{where}: return (peak, by_category), got {got!r:.80}"
-        )
-        peak, cats = got
-        want_peak, want_cats = reference_peak(events, block)
-        if peak != want_peak:
-            if peak == _replay(events, int)[0]:
-                why = "that is the peak of the bytes asked for: each tensor occupies whole blocks"
-            elif peak == _replay_rounding_total(events, block):
-                why = "that rounds the running total; each tensor gets blocks of its own (three 1-byte tensors take three)"
-            elif peak == _replay(events, lambda b, block=block: round(b / block) * block)[0]:
-                why = "that rounds each size to the nearest multiple; a tensor never fits in less than it asked for"
-            else:
-                why = "replay every event, each allocation at its rounded-up size"
-            raise AssertionError(f"{where}: peak {peak:,} bytes, expected {want_peak:,}: {why}")
-        cats = {k: v for k, v in dict(cats).items() if v}
-        if cats != want_cats:
-            why = (
-                "that is the last moment the peak was reached; report the first"
-                if cats == _replay(events, lambda b, block=block: _up(b, block), last=True)[1]
-                else "report what each category occupied (rounded) at the first moment of the peak"
-            )
-            raise AssertionError(f"{where}: at the peak you have {cats}, expected {want_cats}: {why}")
+        try:
+            _judge(fn, label, events, block)
+        except AssertionError:
+            if len(events) <= _SHOWN:
+                raise
+            k = _shortest_failing_start(fn, label, events, block)
+            if k is None:
+                _judge(fn, label, events, block, full=True)
+                raise
+            _judge(fn, f"{label}, its first {k} events (the shortest start of it your answer gets wrong)",
+                   events[:k], block, full=True)  # fmt: skip
+            raise
     default = call_learner(
         fn, "peak_memory(events=[('alloc', 'x', 1, 'other')])", [("alloc", "x", 1, "other")]
     )

@@ -1,11 +1,12 @@
-"""Checks for lesson 14's exercises: the attention step of a KV-cached decoder, and online-softmax attention.
+"""Checks for lesson 14's exercises: sliding-window attention with a rolling KV cache, and causal online-softmax
+attention that also returns each query's log-sum-exp.
 
-`cached_attention(q, k_new, v_new, cache)` is run on a prefill, single-token decode steps and a
-chunk of several new tokens after a prefill (where a causal mask that is not shifted by the
-number of cached tokens goes wrong), against a reference computed here from the whole sequence;
-then it drives greedy generation of a small GPT, whose tokens must equal generation without a
-cache. `online_softmax_attention(q, k, v, block)` is compared with softmax attention, on scores
-large enough that exp() overflows unless the running maximum is subtracted, and no tensor as
+`rolling_cached_attention(q, k_new, v_new, cache, window)` is run on a prefill longer than the window, decode steps
+and a chunk of several tokens, against a reference computed here from the whole sequence with the window's mask;
+the cache must never hold more than `window` positions (Jiang et al. 2023, Mistral 7B, "rolling buffer cache").
+`online_softmax_attention(q, k, v, block)` returns (out, lse) for queries at the last N of M positions, causal,
+compared with softmax attention and torch.logsumexp on the masked scores (FlashAttention-2 keeps lse for its
+backward), on scores large enough that exp() overflows unless the running maximum is subtracted; no tensor as
 large as a quarter of the N x M score matrix may be created while it runs.
 """
 
@@ -29,90 +30,84 @@ FORBIDDEN = {
     "torch._C._nn.scaled_dot_product_attention": _SDPA,
 }
 
-__all__ = ["check_cached_attention", "check_online_softmax_attention"]
+__all__ = ["check_online_softmax_attention", "check_rolling_cached_attention"]
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Queries at positions start.. over keys 0..start+t-1, causal, in float64."""
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    window: int | None = None,
+    lse: bool = False,
+):
+    """Queries at positions start.. over keys 0..start+t-1, causal (and within `window` positions, its own
+    included), in float64; with `lse`, also each query's log-sum-exp of its visible scores."""
     s = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])
     t, L = s.shape[-2:]
-    allowed = torch.arange(L)[None, :] <= torch.arange(start, start + t)[:, None]  # (t, L)
-    return (s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.double()).float()
+    qpos, kpos = torch.arange(start, start + t)[:, None], torch.arange(L)[None, :]
+    allowed = kpos <= qpos  # (t, L)
+    if window is not None:
+        allowed &= kpos > qpos - window
+    s = s.masked_fill(~allowed, float("-inf"))
+    out = (s.softmax(-1) @ v.double()).float()
+    return (out, torch.logsumexp(s, -1).float()) if lse else out
 
 
-def check_cached_attention(cached_attention: Callable) -> None:
-    """`cached_attention(q, k_new, v_new, cache)`: append to cache["k"], cache["v"]; attend causally."""
-    require_callable(cached_attention, "cached_attention")
-    fn = guarded(cached_attention, FORBIDDEN, "this exercise (cached_attention)")
-    g = torch.Generator().manual_seed(draw_seed())  # queries, keys and values drawn afresh every grade run
-    B, H, d, T = 2, 3, 8, 12
-    q_all, k_all, v_all = (torch.randn(B, H, T, d, generator=g) for _ in range(3))
-    cache = {"k": None, "v": None}
-    start = 0
-    for what, t in (("the prefill (5 tokens, empty cache)", 5), ("a decode step (1 token)", 1),
-                    ("a decode step (1 token)", 1), ("a chunk of 3 tokens after 7 cached", 3),
-                    ("a decode step (1 token)", 1)):  # fmt: skip
-        sl = slice(start, start + t)
-        out = fn(q_all[:, :, sl], k_all[:, :, sl], v_all[:, :, sl], cache)
-        want = _reference(q_all[:, :, sl], k_all[:, :, : start + t], v_all[:, :, : start + t], start)
-        assert isinstance(out, torch.Tensor) and out.shape == want.shape, (
-            f"{what}: expected an output of shape {tuple(want.shape)}, got "
-            f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
-        )
-        for name, full in (("k", k_all), ("v", v_all)):
-            got = cache.get(name)
-            assert isinstance(got, torch.Tensor) and got.shape[2] == start + t, (
-                f"after {what} cache[{name!r}] should hold {start + t} positions (dim 2), got "
-                f"{None if not isinstance(got, torch.Tensor) else tuple(got.shape)}: append the new keys and values"
+def check_rolling_cached_attention(fn: Callable) -> None:
+    """`fn(q, k_new, v_new, cache, window)`: attend causally within the last `window` positions (its own included),
+    keeping at most `window` positions of keys and values in `cache` between calls."""
+    require_callable(fn, "rolling_cached_attention")
+    fn = guarded(fn, FORBIDDEN, "this exercise (rolling_cached_attention)")
+    g = torch.Generator().manual_seed(
+        draw_seed()
+    )  # queries, keys, values and one schedule drawn afresh every run
+    rnd_chunk = int(torch.randint(2, 5, (1,), generator=g))
+    for window, steps in (
+        (4, (("a prefill of 7 tokens, longer than the window", 7), ("a decode step", 1), ("a decode step", 1),
+             (f"a chunk of {rnd_chunk} tokens", rnd_chunk), ("a decode step", 1))),
+        (6, (("a prefill of 2 tokens", 2), ("a decode step", 1), ("a chunk of 5 tokens", 5),
+             ("a decode step", 1), ("a chunk of 9 tokens", 9), ("a decode step", 1))),
+        (1, (("a prefill of 3 tokens", 3), ("a decode step", 1))),
+    ):  # fmt: skip
+        B, H, d = 2, 3, 8
+        T = sum(t for _, t in steps)
+        q_all, k_all, v_all = (torch.randn(B, H, T, d, generator=g) for _ in range(3))
+        cache: dict = {"k": None, "v": None, "seen": 0}
+        start = 0
+        for what, t in steps:
+            where = f"window={window}, {what} at positions {start}..{start + t - 1}"
+            sl = slice(start, start + t)
+            try:
+                out = fn(q_all[:, :, sl], k_all[:, :, sl], v_all[:, :, sl], cache, window)
+            except NotImplementedError:
+                raise
+            except Exception as e:
+                raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e}") from e
+            want = _reference(
+                q_all[:, :, sl], k_all[:, :, : start + t], v_all[:, :, : start + t], start, window
             )
-            assert torch.equal(got, full[:, :, : start + t]), (
-                f"after {what} cache[{name!r}] does not hold the keys/values of positions 0..{start + t - 1} in order"
+            assert isinstance(out, torch.Tensor) and out.shape == want.shape, (
+                f"{where}: expected an output of shape {tuple(want.shape)}, got "
+                f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
             )
-        err = (out - want).abs().max().item()
-        if not err <= 1e-5:  # nan too
-            rows = (out - want).abs().amax(dim=(0, 1, 3))
-            bad = int(rows.argmax())
-            raise AssertionError(
-                f"{what}: output differs by {err:.3g} at new token {bad} (position {start + bad}); it must "
-                f"attend to the keys of positions 0..{start + bad}, its own included, and no later ones"
+            held = [v for v in cache.values() if isinstance(v, torch.Tensor) and v.dim() == 4]
+            big = max((v.shape[2] for v in held), default=0)
+            assert held and big <= window, (
+                f"{where}: after the call the cache holds tensors of {big} positions; a rolling cache keeps at most "
+                f"window={window} positions of keys and values"
             )
-        start += t
-    n = _generation_agrees(fn)
-    passed("check_cached_attention", f"prefill, decode steps and a 3-token chunk; {n} generated tokens equal")
-
-
-def _generation_agrees(fn: Callable) -> int:
-    from parallel_lab.inference import NoCache, ServingGPT, generate
-    from parallel_lab.models import GPTConfig, build_model
-
-    class LearnerCache:
-        """The serving model's cache interface, with the learner's function doing the attention."""
-
-        def __init__(self) -> None:
-            self.layers: dict[int, dict] = {}
-            self.length = 0
-
-        def positions(self, batch: int, t: int, device) -> torch.Tensor:
-            return torch.arange(self.length, self.length + t, device=device).expand(batch, t)
-
-        def attend(self, layer: int, q, k, v):
-            return fn(q, k, v, self.layers.setdefault(layer, {"k": None, "v": None}))
-
-        def advance(self, t: int) -> None:
-            self.length += t
-
-    model = ServingGPT.from_gpt(
-        build_model(GPTConfig(vocab=64, seq_len=32, d_model=32, n_heads=4, n_layers=2), 3)
-    )
-    prompt = torch.randint(64, (2, 4), generator=torch.Generator().manual_seed(draw_seed()))  # drawn per run
-    want = generate(model, prompt, 16, NoCache())
-    got = generate(model, prompt, 16, LearnerCache())
-    diff = (got != want).nonzero()
-    assert not len(diff), (
-        f"generation with your cache differs from generation without one first at sequence {int(diff[0, 0])}, "
-        f"position {int(diff[0, 1])}: {got[int(diff[0, 0])].tolist()} vs {want[int(diff[0, 0])].tolist()}"
-    )
-    return 2 * 16
+            err = (out - want).abs().max().item()
+            if not err <= 1e-5:  # nan too
+                rows = (out - want).abs().amax(dim=(0, 1, 3))
+                bad = int(rows.argmax())
+                p = start + bad
+                raise AssertionError(
+                    f"{where}: output differs by {err:.3g} at new token {bad} (position {p}); it must attend to the "
+                    f"keys of positions {max(0, p - window + 1)}..{p}"
+                )
+            start += t
+    passed("check_rolling_cached_attention", "3 windows: prefills longer than the window, steps and chunks")
 
 
 class _Biggest(TorchDispatchMode):
@@ -130,29 +125,41 @@ class _Biggest(TorchDispatchMode):
         return out
 
 
+def _check_out_lse(what: str, got, want: tuple[torch.Tensor, torch.Tensor], tol: float) -> None:
+    assert isinstance(got, (tuple, list)) and len(got) == 2, (
+        f"{what}: return (out, lse), got {type(got).__name__}"
+    )
+    out, lse = got
+    for name, g, w in (("out", out, want[0]), ("lse", lse, want[1])):
+        assert isinstance(g, torch.Tensor) and g.shape == w.shape, (
+            f"{what}: {name} should have shape {tuple(w.shape)}, got "
+            f"{tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}"
+        )
+        err = (g.double() - w.double()).abs().max().item()
+        assert err < tol, f"{what}: {name} differs from the masked softmax attention's by {err:.3g}"
+
+
 def check_online_softmax_attention(online_softmax_attention: Callable) -> None:
-    """`online_softmax_attention(q, k, v, block)` == softmax(q k^T / sqrt(d)) v, keys taken `block` at a time."""
+    """`online_softmax_attention(q, k, v, block)` -> (out, lse): queries at the last N of M positions, causal,
+    keys taken `block` at a time; out == softmax(masked q k^T / sqrt(d)) v, lse == logsumexp of those scores."""
     require_callable(online_softmax_attention, "online_softmax_attention")
     fn = guarded(online_softmax_attention, FORBIDDEN, "this exercise (online_softmax_attention)")
     g = torch.Generator().manual_seed(draw_seed())  # every tensor drawn afresh every grade run
     cases = [
-        ("N = M = 64, block 16", (1, 2, 64, 8), (1, 2, 64, 8), 16),
-        ("N = 10 queries, M = 37 keys, block 8 (the last block is short)", (2, 1, 10, 4), (2, 1, 37, 4), 8),
-        ("block larger than M", (1, 1, 5, 4), (1, 1, 3, 4), 16),
+        ("N = M = 64, block 16 (a prefill)", (1, 2, 64, 8), (1, 2, 64, 8), 16),
+        (
+            "N = 10 queries at the end of M = 37 keys, block 8 (a short last block)",
+            (2, 1, 10, 4),
+            (2, 1, 37, 4),
+            8,
+        ),
+        ("one query, M = 3, block 16 (a decode step)", (1, 1, 1, 4), (1, 1, 3, 4), 16),
+        ("N = 5 of M = 5, block 1", (1, 1, 5, 4), (1, 1, 5, 4), 1),
     ]
     for what, qs, ks, block in cases:
         q, k, v = torch.randn(*qs, generator=g), torch.randn(*ks, generator=g), torch.randn(*ks, generator=g)
-        out = fn(q, k, v, block)
-        want = _reference(q, k, v, ks[2])  # start = M: every query sees every key
-        assert isinstance(out, torch.Tensor) and out.shape == want.shape, (
-            f"{what}: expected shape {tuple(want.shape)}, got "
-            f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
-        )
-        err = (out - want).abs().max().item()
-        assert err < 1e-5, (
-            f"{what}: output differs from softmax attention by {err:.3g}; when a block raises the running "
-            "maximum, what was summed so far must be rescaled"
-        )
+        got = fn(q, k, v, block)
+        _check_out_lse(what, got, _reference(q, k, v, ks[2] - qs[2], lse=True), 1e-5)
     # scores around 1,000: exp() overflows float32 (above 88) unless the running maximum is subtracted
     q, k, v = (
         torch.randn(1, 1, 32, 8, generator=g),
@@ -160,18 +167,18 @@ def check_online_softmax_attention(online_softmax_attention: Callable) -> None:
         torch.randn(1, 1, 48, 8, generator=g),
     )
     q[..., 0], k[..., 0] = 53.0, 53.0  # every score of a row shifted by the same ~990
-    out = fn(q, k, v, 8)
-    assert torch.isfinite(out).all(), (
+    got = fn(q, k, v, 8)
+    assert isinstance(got, (tuple, list)) and len(got) == 2 and torch.isfinite(got[0]).all(), (
         "with scores near 1,000 your output has inf or nan: exp(1000) overflows; subtract the running maximum "
         "before exponentiating"
     )
-    err = (out - _reference(q.double(), k.double(), v, 48)).abs().max().item()
-    assert err < 1e-3, f"with large scores (all shifted by the same ~990) the output differs by {err:.3g}"
+    _check_out_lse("with large scores (all shifted by the same ~990)", got,
+                   _reference(q.double(), k.double(), v, 16, lse=True), 1e-3)  # fmt: skip
     # memory: nothing near the (N x M) score matrix
     B, H, N, M, d, block = 1, 2, 512, 512, 16, 64
     q, k, v = (torch.randn(B, H, s, d, generator=g) for s in (N, M, M))
     with _Biggest() as big:
-        out = fn(q, k, v, block)
+        fn(q, k, v, block)
     limit = B * H * N * M // 4
     assert big.numel < limit, (
         f"N = M = {N}, block {block}: an operator ({big.op}) created a tensor of {big.numel:,} numbers, "
@@ -180,5 +187,5 @@ def check_online_softmax_attention(online_softmax_attention: Callable) -> None:
     )
     passed(
         "check_online_softmax_attention",
-        "3 shapes, overflowing scores, largest temporary under a quarter of N x M",
+        "4 causal shapes, overflowing scores, out and lse, largest temporary under a quarter of N x M",
     )

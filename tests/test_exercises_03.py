@@ -1,7 +1,7 @@
 """Lesson 03's exercises: the reference solution passes with one line; wrappers of the lab's and torch's data
 parallelism fail as switched off; answer tables logged in one grade run fail the next (batches, shards,
-accumulation, parameter lists, ready orders and bucket sizes are drawn every run); wrong algorithms fail with
-a message naming the mistake."""
+micro-batch counts, parameter lists, ready orders, bucket sizes, dtypes and sync intervals are drawn every run);
+wrong algorithms and cheats (a hook that waits inside backward) fail with a message naming the mistake."""
 
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ from pathlib import Path
 import pytest
 from solution_code import _check_cell, edit, run_check, solution_namespace, table_cheat_fails
 
-CHECKS = ["check_average_gradients", "check_assign_buckets", "check_ddp_grad_hook", "check_ddp_bytes"]
+CHECKS = ["check_average_gradients", "check_assign_buckets", "check_ddp_grad_hook", "check_ddp_recv_bytes"]
 P = "import torch\nimport torch.distributed as dist\nfrom parallel_lab import comms\n"
 AVG = "def average_gradients(ctx, model, local_samples):\n"
-HOOK = "def ddp_grad_hook(ctx, param, pending, micro_step, accumulation):\n"
-BYTES = "def ddp_bytes(bucket_numels, p, rank, itemsize, accumulation, no_sync):\n"
-ONE_SYNC = (
+HOOK = "def ddp_grad_hook(ctx, param, pending, micro_step, micro_batches):\n"
+LAST = "    if micro_step < micro_batches[ctx.rank] - 1:\n        return\n    param.grad.div_(sum(micro_batches))\n"
+BYTES = "def ddp_recv_bytes(bucket_numels, p, rank, itemsize, accumulation, sync_every):\n"
+ONE_RECV = (
     "    one = 0\n    for n in bucket_numels:\n        c = comms.chunk_sizes(n, p)\n"
-    "        one += (2 * n - c[rank] - c[(rank + 1) % p]) * itemsize\n"
+    "        one += (2 * n - c[(rank - 1) % p] - c[rank]) * itemsize\n"
 )
+SYNCS = "    syncs = sum((m + 1) % sync_every == 0 or m == accumulation - 1 for m in range(accumulation))\n"
 BUCKETS = "def assign_buckets(params, bucket_bytes, ready_order):\n"
 
 WRONG = [
@@ -82,21 +84,48 @@ WRONG = [
      "from parallel_lab.grading.checks.data_parallel import _reference_buckets\n" + BUCKETS
      + "    return [[params[i] for i in b] for b in _reference_buckets(params, bucket_bytes, ready_order)]\n",
      "switched off"),
-    # ---- exercise 3: the hook under accumulation
-    ("check_ddp_grad_hook", "all-reduces every micro-step (right gradient, k times the bytes)",
-     P + HOOK + "    last = micro_step == accumulation - 1\n"
-     "    param.grad.div_(ctx.world_size * (accumulation if last else 1))\n"
+    # ---- exercise 3: the hook under accumulation, uneven micro-batch counts
+    ("check_ddp_grad_hook", "all-reduces every micro-step (right gradient, more bytes)",
+     P + HOOK + "    last = micro_step == micro_batches[ctx.rank] - 1\n"
+     "    param.grad.div_(sum(micro_batches) if last else 1)\n"
      "    if last:\n        pending.append(dist.all_reduce(param.grad, async_op=True))\n"
-     "    else:\n        dist.all_reduce(param.grad)\n", "gradients to cross the ranks once"),
+     "    else:\n        h = dist.all_reduce(torch.zeros_like(param.grad), async_op=True)\n        pending.append(h)\n",
+     "once per optimizer step"),
+    ("check_ddp_grad_hook", "divides by world_size times its own count (the lesson's two divisions)",
+     edit("03", "ddp_grad_hook", "param.grad.div_(sum(micro_batches))",
+          "param.grad.div_(ctx.world_size * micro_batches[ctx.rank])"),
+     "differs from the gradient of the mean loss over all"),
     ("check_ddp_grad_hook", "divides by world_size only",
-     edit("03", "ddp_grad_hook", "param.grad.div_(ctx.world_size * accumulation)", "param.grad.div_(ctx.world_size)"),
-     "= accumulation"),
+     edit("03", "ddp_grad_hook", "param.grad.div_(sum(micro_batches))", "param.grad.div_(ctx.world_size)"),
+     "differs from the gradient of the mean loss over all"),
+    ("check_ddp_grad_hook", "divides by the longest rank's count times world_size",
+     edit("03", "ddp_grad_hook", "param.grad.div_(sum(micro_batches))",
+          "param.grad.div_(ctx.world_size * max(micro_batches))"),
+     "differs from the gradient of the mean loss over all"),
     ("check_ddp_grad_hook", "all-reduces on the first micro-step",
-     edit("03", "ddp_grad_hook", "if micro_step < accumulation - 1:", "if micro_step > 0:"),
-     "micro_step=0, accumulation="),
-    ("check_ddp_grad_hook", "waits at once (no pending work)",
+     edit("03", "ddp_grad_hook", "if micro_step < micro_batches[ctx.rank] - 1:", "if micro_step > 0:"),
+     "micro_step=0, micro_batches="),
+    ("check_ddp_grad_hook", "blocking all-reduce, nothing pending",
      edit("03", "ddp_grad_hook", "pending.append(dist.all_reduce(param.grad, async_op=True))",
-          "dist.all_reduce(param.grad)"), "appended 0 work(s)"),
+          "dist.all_reduce(param.grad)"), "waited for its all-reduce"),
+    ("check_ddp_grad_hook", "cheat: starts it, waits at once, appends the finished work",
+     P + HOOK + LAST + "    w = dist.all_reduce(param.grad, async_op=True)\n    w.wait()\n    pending.append(w)\n",
+     "waited for its all-reduce"),
+    ("check_ddp_grad_hook", "cheat: blocking all-reduce plus any object with .wait",
+     P + "import types\n" + HOOK + LAST
+     + "    dist.all_reduce(param.grad)\n    pending.append(types.SimpleNamespace(wait=lambda: None))\n",
+     "waited for its all-reduce"),
+    ("check_ddp_grad_hook", "cheat: the lab's traced blocking all-reduce plus any object with .wait",
+     P + "import types\n" + HOOK + LAST
+     + "    comms.dist_all_reduce(ctx, param.grad)\n    pending.append(types.SimpleNamespace(wait=lambda: None))\n",
+     "waited for its all-reduce"),
+    ("check_ddp_grad_hook", "cheat: waits on the work's future",
+     P + HOOK + LAST + "    w = dist.all_reduce(param.grad, async_op=True)\n    w.get_future().wait()\n"
+     "    pending.append(w)\n", "waited for its all-reduce"),
+    ("check_ddp_grad_hook", "cheat: appends a stand-in instead of the work",
+     P + "import types\n" + HOOK + LAST
+     + "    w = dist.all_reduce(param.grad, async_op=True)\n    pending.append(types.SimpleNamespace(wait=w.wait))\n",
+     "not the work of the all-reduce"),
     ("check_ddp_grad_hook", "wraps the lab's BucketedDDP hook",
      P + "from parallel_lab.data_parallel.ddp import BucketedDDP\n" + HOOK + "    BucketedDDP._on_grad(None, param)\n",
      "switched off"),
@@ -106,22 +135,29 @@ WRONG = [
     ("check_ddp_grad_hook", "DTensor's data-parallel gradient hook",
      P + "from torch.distributed.tensor.parallel._data_parallel_utils import sync_grad_hook\n" + HOOK
      + "    sync_grad_hook(param.grad)\n", "switched off"),
-    # ---- exercise 4: bytes of a step with accumulation
-    ("check_ddp_bytes", "one sync's bytes whatever no_sync",
-     P + BYTES + ONE_SYNC + "    return one\n", "how many of the micro-steps synced"),
-    ("check_ddp_bytes", "accumulation times even under no_sync",
-     P + BYTES + ONE_SYNC + "    return one * accumulation\n", "how many of the micro-steps synced"),
-    ("check_ddp_bytes", "the ranks' average",
-     P + BYTES + "    return 2 * (p - 1) * sum(bucket_numels) * itemsize / p * (1 if no_sync else accumulation)\n",
-     "is the ranks' average"),
-    ("check_ddp_bytes", "one all-reduce of everything",
-     P + BYTES + "    n = sum(bucket_numels)\n    c = comms.chunk_sizes(n, p)\n"
-     "    return (2 * n - c[rank] - c[(rank + 1) % p]) * itemsize * (1 if no_sync else accumulation)\n",
-     "the rank sent"),
-    ("check_ddp_bytes", "wraps the lab's ring formula",
-     P + BYTES + "    one = sum(comms.ring_bytes_per_rank(n, p, itemsize, 'all_reduce')[rank][0] for n in bucket_numels)\n"
-     "    return one * (1 if no_sync else accumulation)\n", "switched off"),
-    ("check_ddp_bytes", "wraps the cost model",
+    # ---- exercise 4: bytes received, syncing every sync_every-th micro-step
+    ("check_ddp_recv_bytes", "the bytes sent (the lesson's formula)",
+     P + BYTES + "    one = 0\n    for n in bucket_numels:\n        c = comms.chunk_sizes(n, p)\n"
+     "        one += (2 * n - c[rank] - c[(rank + 1) % p]) * itemsize\n" + SYNCS + "    return one * syncs\n",
+     "what the rank sent"),
+    ("check_ddp_recv_bytes", "8 bytes per element whatever the dtype",
+     P + BYTES + ONE_RECV.replace("* itemsize", "* 8") + SYNCS + "    return one * syncs\n",
+     "as if every element were 8 bytes"),
+    ("check_ddp_recv_bytes", "the last micro-step's sync only",
+     P + BYTES + ONE_RECV + "    return one\n", "count the micro-steps that synced"),
+    ("check_ddp_recv_bytes", "every micro-step syncs",
+     P + BYTES + ONE_RECV + "    return one * accumulation\n", "count the micro-steps that synced"),
+    ("check_ddp_recv_bytes", "forgets the final sync (accumulation // sync_every)",
+     P + BYTES + ONE_RECV + "    return one * (accumulation // sync_every)\n", "the rank received"),
+    ("check_ddp_recv_bytes", "the ranks' average",
+     P + BYTES + SYNCS + "    return 2 * (p - 1) * sum(bucket_numels) * itemsize / p * syncs\n", "is the ranks' average"),
+    ("check_ddp_recv_bytes", "one all-reduce of everything",
+     P + BYTES + "    n = sum(bucket_numels)\n    c = comms.chunk_sizes(n, p)\n" + SYNCS
+     + "    return (2 * n - c[(rank - 1) % p] - c[rank]) * itemsize * syncs\n", "the rank received"),
+    ("check_ddp_recv_bytes", "wraps the lab's ring formula",
+     P + BYTES + "    one = sum(comms.ring_bytes_per_rank(n, p, itemsize, 'all_reduce')[rank][1] for n in bucket_numels)\n"
+     + SYNCS + "    return one * syncs\n", "switched off"),
+    ("check_ddp_recv_bytes", "wraps the cost model",
      P + "from parallel_lab.costmodel import allreduce_bytes_per_rank\n" + BYTES
      + "    return allreduce_bytes_per_rank(sum(bucket_numels) * itemsize, p)\n", "switched off"),
 ]  # fmt: skip
@@ -135,12 +171,15 @@ RIGHT = [
      edit("03", "average_gradients", "dist.all_reduce(p.grad)", "comms.dist_all_reduce(ctx, p.grad)")),
     ("check_average_gradients", "weighted sum, then divided by the total",
      P + AVG + "    params = [p for p in model.parameters() if p.grad is not None]\n"
-     "    n = torch.tensor([local_samples], dtype=torch.float64)\n    dist.all_reduce(n)\n"
+     "    n = torch.tensor([local_samples], dtype=torch.float64, device=ctx.device)\n    dist.all_reduce(n)\n"
      "    for p in params:\n        p.grad.mul_(local_samples)\n        dist.all_reduce(p.grad)\n"
      "        p.grad.div_(n.item())\n"),
     ("check_ddp_grad_hook", "the lab's traced async all-reduce",
      edit("03", "ddp_grad_hook", "pending.append(dist.all_reduce(param.grad, async_op=True))",
           "pending.append(comms.dist_all_reduce(ctx, param.grad, async_op=True))")),
+    ("check_ddp_grad_hook", "skips the all-reduce on one rank",
+     edit("03", "ddp_grad_hook", "    pending.append(dist.all_reduce(param.grad, async_op=True))",
+          "    if ctx.world_size > 1:\n        pending.append(dist.all_reduce(param.grad, async_op=True))")),
 ]  # fmt: skip
 
 
@@ -206,32 +245,34 @@ def test_a_table_of_one_grade_runs_averages_fails_the_next(tmp_path):
 
 
 def test_a_table_of_one_grade_runs_hooks_fails_the_next(tmp_path):
-    """The hook logs, per call, the gradient it was handed and the averaged one (waiting at once); the table's
-    hook launches an all-reduce of zeros per call on the last micro-step, so only the gradients can give it away."""
+    """The hook logs, per call, the gradient it was handed and, once its all-reduce is done (a callback on the
+    work's future: the check fails a hook that waits), the averaged one; the table's hook launches an all-reduce
+    of zeros per call on the last micro-step, so only the gradients can give it away."""
     import torch
     import torch.distributed as dist
 
     ns = solution_namespace("03")
     real = ns["ddp_grad_hook"]
 
-    def logging(ctx, param, pending, micro_step, accumulation):
-        k = _digest(param.grad, torch.tensor([micro_step, accumulation]))
-        real(ctx, param, pending, micro_step, accumulation)
-        if micro_step == accumulation - 1:
-            pending[-1].wait()
-            torch.save(param.grad.clone(), tmp_path / k)
+    def logging(ctx, param, pending, micro_step, micro_batches):
+        k = _digest(param.grad, torch.tensor([micro_step, *micro_batches]))
+        before = len(pending)
+        real(ctx, param, pending, micro_step, micro_batches)
+        if len(pending) > before:
+            grad, where = param.grad, tmp_path / k
+            pending[-1].get_future().then(lambda _: torch.save(grad.clone(), where))
 
     ns["ddp_grad_hook"] = logging
     _run(ns, "check_ddp_grad_hook")
     assert len(list(tmp_path.iterdir())) >= 20
 
-    def from_the_table(ctx, param, pending, micro_step, accumulation):
-        if micro_step < accumulation - 1:
+    def from_the_table(ctx, param, pending, micro_step, micro_batches):
+        if micro_step < micro_batches[ctx.rank] - 1:
             return
-        f = tmp_path / _digest(param.grad, torch.tensor([micro_step, accumulation]))
+        f = tmp_path / _digest(param.grad, torch.tensor([micro_step, *micro_batches]))
         if f.exists():
             param.grad.copy_(torch.load(f))
-        pending.append(dist.all_reduce(torch.zeros(1, dtype=param.dtype), async_op=True))
+        pending.append(dist.all_reduce(torch.zeros(1, dtype=param.dtype, device=param.device), async_op=True))
 
     ns["ddp_grad_hook"] = from_the_table
     with pytest.raises(AssertionError, match=r"ddp_grad_hook\(ctx, param, pending, micro_step="):
@@ -273,9 +314,10 @@ def test_a_table_of_one_grade_runs_buckets_fails_the_next():
 
 
 def test_a_table_of_one_grade_runs_byte_predictions_fails_the_next():
-    # bucket sizes, micro-batch counts and no_sync are drawn per run; two runs can, rarely, draw a case alike
-    table_cheat_fails("03", "ddp_bytes", "check_ddp_bytes", 0, "you predict 0 bytes",
-                      key=lambda b, p, rank, itemsize, k, ns: (tuple(b), p, rank, itemsize, k, ns), tries=4)  # fmt: skip
+    # dtypes, bucket sizes, micro-batch counts and sync_every are drawn per run; two runs can, rarely, draw a
+    # case alike
+    table_cheat_fails("03", "ddp_recv_bytes", "check_ddp_recv_bytes", 0, "you predict 0 bytes",
+                      key=lambda b, p, rank, itemsize, k, m: (tuple(b), p, rank, itemsize, k, m), tries=4)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- torch's own versions

@@ -1,16 +1,17 @@
 """Checks for lesson 03's exercises: average gradients over uneven shards, buckets in the order gradients
-became ready, a DDP hook under gradient accumulation, and the bytes of a step with accumulation.
+became ready, a DDP hook under gradient accumulation with uneven micro-batch counts, and the bytes a rank
+receives over a step that syncs every m-th micro-step.
 
 The gradient checks train a small float64 GPT with tied embeddings and a frozen parameter. Everything a
 case depends on is drawn afresh every grade run (`draw_seed`): the batch, how many samples each rank holds
-(some rank holding none), the number of micro-batches and their size. Every gradient must equal the
+(some rank holding none), how many micro-batches each rank runs and their size. Every gradient must equal the
 gradient of the mean loss over the whole batch, computed in one process, on every rank, to 1e-12 (float64:
 only the order of the sums differs, ~1e-16 relative). Each world size is one launch that runs all its cases
 (on a GPU machine a launch spawns its ranks, which costs seconds).
 `assign_buckets` is compared with the rule of the lesson applied in the given ready order, on the check's GPT
 (its ready order recorded from a real backward) and on drawn parameter lists, sizes, bucket sizes and
-orders. `ddp_bytes` is compared exactly with the byte counter of `BucketedDDP(comm="ring")` runs, with and
-without `no_sync()`.
+orders. `ddp_recv_bytes` is compared exactly with the received-bytes counter of `BucketedDDP(comm="ring")`
+runs in float32 and float64, syncing every `sync_every`-th micro-step and always on the last.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from parallel_lab.grading.checks import (
     unavailable,
 )
 
-__all__ = ["check_assign_buckets", "check_average_gradients", "check_ddp_bytes", "check_ddp_grad_hook"]
+__all__ = ["check_assign_buckets", "check_average_gradients", "check_ddp_grad_hook", "check_ddp_recv_bytes"]
 
 WORLD_SIZES = (1, 2, 3, 4)
 VOCAB, SEQ = 25, 8
@@ -84,7 +85,7 @@ FORBIDDEN = {
     **family("parallel_lab.data_parallel.naive", "parallel_lab.data_parallel.ddp"),
     **TORCH_DP,
 }
-#: for `ddp_bytes`: the lab's byte formulas too (`chunk_sizes`, lesson 01's split, stays)
+#: for `ddp_recv_bytes`: the lab's byte formulas too (`chunk_sizes`, lesson 01's split, stays)
 BYTES_FORBIDDEN = {
     **FORBIDDEN,
     **family("parallel_lab.comms.cost", keep=("chunk_sizes",)),
@@ -184,8 +185,8 @@ def _average_rank(ctx, fn: Callable, cases: list[dict]) -> int:
         total, c = sum(sizes), _scale_of(got, want)
         why = f"differs from the gradient of the mean loss over all {total} samples by up to {diff:.3g}"
         if (got - case["ranks_mean"]).abs().max() <= 1e-9:
-            why += ("; it is the plain average over the ranks, which counts a rank holding 1 sample as much as "
-                    "one holding 6")  # fmt: skip
+            why += (f"; it is the plain average over the ranks, which counts a rank holding {min(sizes)} "
+                    f"sample(s) as much as one holding {max(sizes)}")  # fmt: skip
         elif (got - case["ranks_sum"]).abs().max() <= 1e-9:
             why += "; it is the plain sum of the ranks' gradients"
         elif (got - case["own"][ctx.rank]).abs().max() <= 1e-9:
@@ -215,30 +216,50 @@ def check_average_gradients(fn: Callable) -> None:
 
 
 # ----------------------------------------------------------------------------- 3: the hook, accumulating
-def _counting_allreduce(counter: list[int]):
-    """Count the all-reduces of floating-point tensors this rank launches: every torch.distributed
-    all-reduce (and the lab's wrappers of it) ends in the process group's method. (The lab's wrappers
-    first all-reduce an int64 fingerprint of the call, to catch ranks that disagree: not counted.)"""
+def _watching(counter: list[int], works: list, state: dict):
+    """While the learner's hook runs: count the all-reduces of floating-point tensors this rank launches
+    (every torch.distributed all-reduce, and the lab's wrappers of it, ends in the process group's method)
+    and keep their works; note every wait on one of those works, and every wait on a future, that happens
+    inside the hook (`state["in_hook"]`). (The lab's wrappers first all-reduce, and wait for, an int64
+    fingerprint of the call, to catch ranks that disagree: neither counted nor noted.)"""
     pg = torch._C._distributed_c10d.ProcessGroup
+    work_cls, future_cls = torch._C._distributed_c10d.Work, torch._C.Future
     real = {n: getattr(pg, n) for n in ("allreduce", "allreduce_coalesced")}
+    real_wait, real_future_wait = work_cls.wait, future_cls.wait
 
     def wrap(name):
         def counted(self, *args, **kwargs):
             tensors = args[0] if args and isinstance(args[0], (list, tuple)) else args[:1]
-            counter[0] += any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
-            return real[name](self, *args, **kwargs)
+            floating = any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
+            work = real[name](self, *args, **kwargs)
+            if floating:
+                counter[0] += 1
+                works.append(work)
+            return work
 
         return counted
+
+    def wait(self, *args, **kwargs):
+        if state["in_hook"] and any(self is w for w in works):
+            state["waited"] += 1
+        return real_wait(self, *args, **kwargs)
+
+    def future_wait(self, *args, **kwargs):
+        if state["in_hook"]:
+            state["waited"] += 1
+        return real_future_wait(self, *args, **kwargs)
 
     @contextlib.contextmanager
     def cm():
         try:
             for n in real:
                 setattr(pg, n, wrap(n))
+            work_cls.wait, future_cls.wait = wait, future_wait
             yield
         finally:
             for n, f in real.items():
                 setattr(pg, n, f)
+            work_cls.wait, future_cls.wait = real_wait, real_future_wait
 
     return cm()
 
@@ -252,56 +273,76 @@ def _hook_rank(ctx, fn: Callable, cases: list[dict]) -> int:
 def _hook_case(ctx, fn: Callable, case: dict) -> None:
     import torch.distributed as dist
 
-    k, mb = case["accumulation"], case["micro_batch"]
-    x, y = (t[ctx.rank * k * mb : (ctx.rank + 1) * k * mb].to(ctx.device) for t in case["batch"])
+    from parallel_lab.comms.core import Handle
+
+    def _is_work_of(entry, new: list) -> bool:
+        """`entry` is one of the works in `new` (launched during this call), or the lab's handle of one."""
+        if isinstance(entry, Handle):
+            return bool(entry.works) and all(any(w is x for x in new) for w in entry.works)
+        return isinstance(entry, torch._C._distributed_c10d.Work) and any(entry is x for x in new)
+
+    ks, mb = case["micro_batches"], case["micro_batch"]
+    k, start = ks[ctx.rank], sum(ks[: ctx.rank]) * mb
+    x, y = (t[start : start + k * mb].to(ctx.device) for t in case["batch"])
     model = _model().to(ctx.device)
     pending: list = []
-    state = {"micro_step": 0, "bad": None}
-    counter = [0]
+    state = {"micro_step": 0, "bad": None, "in_hook": False, "waited": 0}
+    counter, works = [0], []
 
     def hook(q: torch.Tensor) -> None:
-        before = len(pending)
-        fn(ctx, q, pending, state["micro_step"], k)
+        before, launched = len(pending), len(works)
+        state["in_hook"] = True
+        try:
+            fn(ctx, q, pending, state["micro_step"], list(ks))
+        finally:
+            state["in_hook"] = False
         inside = torch._C._current_graph_task_id() != -1
-        added = len(pending) - before
+        added, new = pending[before:], works[launched:]
         last = state["micro_step"] == k - 1
-        if state["bad"] is None and (not inside or added != (1 if last else 0)):
-            state["bad"] = (state["micro_step"], added)
+        want = (0, 1) if last and ctx.world_size == 1 else (1,) if last else (0,)
+        if state["bad"] is None and (not inside or len(added) not in want or len(new) != len(added)):
+            state["bad"] = (state["micro_step"], f"a call appended {len(added)} work(s) to `pending` and "
+                            f"launched {len(new)} all-reduce(s)")  # fmt: skip
+        elif state["bad"] is None and not all(_is_work_of(w, new) for w in added):
+            state["bad"] = (state["micro_step"], "`pending` got " + ", ".join(type(w).__name__ for w in added)
+                            + ", not the work of the all-reduce the call launched")  # fmt: skip
 
     n_train = 0
     for q in model.parameters():
         if q.requires_grad:
             q.register_post_accumulate_grad_hook(hook)
             n_train += 1
-    with _counting_allreduce(counter), unavailable(FORBIDDEN, "this exercise (ddp_grad_hook)"):
+    with _watching(counter, works, state), unavailable(FORBIDDEN, "this exercise (ddp_grad_hook)"):
         for m in range(k):
             state["micro_step"] = m
-            where = (f"ddp_grad_hook(ctx, param, pending, micro_step={m}, accumulation={k}) on rank "
+            where = (f"ddp_grad_hook(ctx, param, pending, micro_step={m}, micro_batches={ks}) on rank "
                      f"{ctx.rank} of world_size={ctx.world_size}, {mb} sample(s) per micro-batch")  # fmt: skip
             counter[0] = 0
             model(x[m * mb : (m + 1) * mb], y[m * mb : (m + 1) * mb]).backward()
+            if state["waited"]:
+                raise AssertionError(
+                    f"{where}: a call waited for its all-reduce ({state['waited']} wait(s) while the hook ran): "
+                    "backward stops there until the ranks have exchanged the gradient, so nothing overlaps"
+                )
             if m < k - 1:
                 assert counter[0] == 0, (
-                    f"{where}: this micro-step launched {counter[0]} all-reduce(s); an optimizer step of {k} "
-                    f"micro-batches needs its gradients to cross the ranks once (torch's DDP: no_sync())"
+                    f"{where}: this micro-step launched {counter[0]} all-reduce(s); this rank's gradients "
+                    f"should cross the ranks once per optimizer step (torch's DDP: no_sync())"
                 )
             else:
-                assert counter[0] == n_train, (
-                    f"{where}: the last micro-step launched {counter[0]} all-reduce(s), expected one per "
+                allowed = (0, n_train) if ctx.world_size == 1 else (n_train,)
+                assert counter[0] in allowed, (
+                    f"{where}: this rank's last micro-step launched {counter[0]} all-reduce(s), expected one per "
                     f"parameter ({n_train})"
                 )
             if state["bad"] is not None:
-                step, added = state["bad"]
+                step, what = state["bad"]
                 raise AssertionError(
-                    f"{where.replace(f'micro_step={m}', f'micro_step={step}')}: a call appended {added} "
-                    "work(s) to `pending`; on the micro-step that communicates each call must start one "
-                    "asynchronous all-reduce inside backward and append its work, on the others none"
+                    f"{where.replace(f'micro_step={m}', f'micro_step={step}')}: {what}; on this rank's "
+                    "micro-step that communicates each call must start one asynchronous all-reduce inside "
+                    "backward and append its work, on the others none"
                 )
     for w in pending:
-        assert hasattr(w, "wait"), (
-            f"{where}: `pending` holds a {type(w).__name__}; append what "
-            "dist.all_reduce(..., async_op=True) returns (it has .wait())"
-        )
         w.wait()
     dist.barrier()
     got, want = _flat(model, where), case["want"]
@@ -309,27 +350,32 @@ def _hook_case(ctx, fn: Callable, case: dict) -> None:
     if diff > TOL:
         c = _scale_of(got, want)
         said = f"; it is {c:.6g} times the expected gradient" if c is not None else ""
-        if c is not None and k > 1 and abs(c - k) < 1e-6:
-            said += f" ({k} = accumulation: .grad holds the gradients of {k} micro-batches added up)"
-        elif c is not None and ctx.world_size > 1 and abs(c - ctx.world_size) < 1e-6:
-            said += f" ({ctx.world_size} = world_size)"
         raise AssertionError(
-            f"{where}: after the last micro-step the gradient differs from the gradient of the mean loss "
-            f"over all {ctx.world_size * k} micro-batches of all ranks by up to {diff:.3g}{said}"
+            f"{where}: after this rank's last micro-step the gradient differs from the gradient of the mean "
+            f"loss over all {sum(ks)} micro-batches of all ranks by up to {diff:.3g}{said}"
         )
 
 
+def _draw_micro_batches(rnd: random.Random, p: int) -> list[int]:
+    """Micro-batches per rank: uneven where there are several ranks (else N*k would be right)."""
+    while True:
+        ks = [rnd.randint(1, 4) for _ in range(p)]
+        if p == 1 or len(set(ks)) > 1:
+            return ks
+
+
 def check_ddp_grad_hook(fn: Callable) -> None:
-    """`fn(ctx, param, pending, micro_step, accumulation)`, called by autograd the moment `param.grad` is
-    complete after each micro-batch's backward; communicates on the last micro-step only."""
+    """`fn(ctx, param, pending, micro_step, micro_batches)`, called by autograd the moment `param.grad` is
+    complete after each micro-batch's backward, rank r running `micro_batches[r]` micro-batches; communicates
+    on this rank's last micro-step only."""
     require_callable(fn)
-    rnd = random.Random(draw_seed())  # accumulation, micro-batch size and batch drawn every grade run
+    rnd = random.Random(draw_seed())  # micro-batch counts, micro-batch size and batch drawn every grade run
     for p in WORLD_SIZES:
         cases = []
-        for k in (rnd.randint(2, 4), rnd.randint(1, 4)):
-            mb = rnd.randint(1, 3)
-            batch = _batch(p * k * mb, rnd.getrandbits(31))
-            cases.append({"accumulation": k, "micro_batch": mb, "batch": batch, "want": _flat_grad(*batch)})
+        for _ in range(2):
+            ks, mb = _draw_micro_batches(rnd, p), rnd.randint(1, 3)
+            batch = _batch(sum(ks) * mb, rnd.getrandbits(31))
+            cases.append({"micro_batches": ks, "micro_batch": mb, "batch": batch, "want": _flat_grad(*batch)})
         _launch(_hook_rank, p, fn, cases, check="check_ddp_grad_hook")
     passed("check_ddp_grad_hook", "one all-reduce per parameter per optimizer step, on 1 to 4 ranks")
 
@@ -476,69 +522,117 @@ def check_assign_buckets(fn: Callable) -> None:
     passed("check_assign_buckets", f"all {len(cases)} cases")
 
 
-# ----------------------------------------------------------------------------- 4: bytes with accumulation
+# ----------------------------------------------------------------------------- 4: bytes received, m-th syncs
+def _bytes_model(dtype: torch.dtype) -> nn.Module:
+    """A GPT whose parameter sizes are multiples of 5, so buckets split unevenly on 2, 3 and 4 ranks."""
+    from parallel_lab.models import GPTConfig, build_model
+
+    return build_model(GPTConfig(vocab=VOCAB, seq_len=SEQ, d_model=5, n_heads=1, n_layers=2), seed=0).to(
+        dtype
+    )
+
+
+def _syncs_after(m: int, k: int, every: int) -> bool:
+    return (m + 1) % every == 0 or m == k - 1
+
+
 def _measure_ddp_bytes(ctx, cases: list[dict]) -> list[dict]:
     """Per case, one optimizer step of `accumulation` micro-batches through BucketedDDP (from-scratch ring
-    all-reduces), the non-final micro-steps under no_sync() or each synced: its buckets and this rank's bytes."""
+    all-reduces), synced after every `sync_every`-th micro-step and after the last, the others under no_sync():
+    its buckets and the bytes this rank received."""
     from parallel_lab.data_parallel import BucketedDDP
 
     out = []
     for case in cases:
-        k, no_sync = case["accumulation"], case["no_sync"]
+        k, every = case["accumulation"], case["sync_every"]
         x, y = (t.to(ctx.device) for t in _batch(k, 7 + ctx.rank))
-        ddp = BucketedDDP(_model().to(ctx.device), ctx, bucket_bytes=case["bucket_bytes"], comm="ring",
-                          broadcast_params=False)  # fmt: skip
-        before = sum(c.get("sent", 0) for c in ctx.recorder.comm.values())
+        ddp = BucketedDDP(_bytes_model(case["dtype"]).to(ctx.device), ctx, bucket_bytes=case["bucket_bytes"],
+                          comm="ring", broadcast_params=False)  # fmt: skip
+        before = sum(c.get("recv", 0) for c in ctx.recorder.comm.values())
         for m in range(k):
-            with ddp.no_sync() if no_sync and m < k - 1 else contextlib.nullcontext():
+            synced = _syncs_after(m, k, every)
+            with contextlib.nullcontext() if synced else ddp.no_sync():
                 ddp(x[m : m + 1], y[m : m + 1]).backward()
-                if not no_sync:
-                    ddp.finish_gradient_sync()  # every backward syncs, as torch's DDP does outside no_sync()
-        ddp.finish_gradient_sync()
-        sent = sum(c.get("sent", 0) for c in ctx.recorder.comm.values()) - before
+            if synced:
+                ddp.finish_gradient_sync()
+        recv = sum(c.get("recv", 0) for c in ctx.recorder.comm.values()) - before
         out.append({"buckets": [b.buffer.numel() for b in ddp.buckets], "itemsize": ddp.buckets[0].buffer.element_size(),
-                    "sent": sent})  # fmt: skip
+                    "recv": recv})  # fmt: skip
     return out
 
 
-def check_ddp_bytes(fn: Callable) -> None:
-    """`fn(bucket_numels, p, rank, itemsize, accumulation, no_sync)` -> the bytes `rank` sends over one optimizer
-    step of `accumulation` micro-batches of BucketedDDP (every bucket ring all-reduced), the non-final
-    micro-steps under no_sync() or not; compared with the byte counter of real runs, exactly."""
+def _draw_bytes_cases(rnd: random.Random) -> list[dict]:
+    """float32 with a count of micro-steps that sync_every does not divide (the last sync is extra), float64,
+    then one drawn freely (one bucket or several, every micro-step syncing or only the last)."""
+    k = rnd.randint(3, 6)
+    every = rnd.choice([m for m in range(2, k) if k % m])
+    k2, k3 = rnd.randint(2, 6), rnd.randint(1, 5)
+    return [
+        {"dtype": torch.float32, "bucket_bytes": rnd.randint(100, 1500), "accumulation": k, "sync_every": every},
+        {"dtype": torch.float64, "bucket_bytes": rnd.randint(200, 3000), "accumulation": k2,
+         "sync_every": rnd.randint(1, k2 + 1)},
+        {"dtype": rnd.choice((torch.float32, torch.float64)), "bucket_bytes": rnd.choice((1 << 30, rnd.randint(100, 3000))),
+         "accumulation": k3, "sync_every": rnd.randint(1, k3 + 1)},
+    ]  # fmt: skip
+
+
+def _ring_recv(n: int, p: int, rank: int) -> int:
+    """Elements `rank` receives in a ring all-reduce of n elements (the check's own reference)."""
+    from parallel_lab.comms import chunk_sizes
+
+    c = chunk_sizes(n, p)
+    return 2 * n - c[(rank - 1) % p] - c[rank]
+
+
+def _ring_sent(n: int, p: int, rank: int) -> int:
+    from parallel_lab.comms import chunk_sizes
+
+    c = chunk_sizes(n, p)
+    return 2 * n - c[rank] - c[(rank + 1) % p]
+
+
+def check_ddp_recv_bytes(fn: Callable) -> None:
+    """`fn(bucket_numels, p, rank, itemsize, accumulation, sync_every)` -> the bytes `rank` receives over one
+    optimizer step of `accumulation` micro-batches of BucketedDDP (every bucket ring all-reduced), synced after
+    every `sync_every`-th micro-step and after the last; compared with the byte counter of real runs, exactly."""
     require_callable(fn)
-    mine = guarded(fn, BYTES_FORBIDDEN, "this exercise (ddp_bytes)")
-    rnd = random.Random(draw_seed())  # bucket sizes, accumulation, no_sync: drawn every grade run
-    cases = 0
+    mine = guarded(fn, BYTES_FORBIDDEN, "this exercise (ddp_recv_bytes)")
+    rnd = random.Random(draw_seed())  # dtypes, bucket sizes, accumulation, sync_every: drawn every grade run
     for p in (2, 3, 4):
-        drawn = [{"bucket_bytes": rnd.randint(200, 3000), "accumulation": rnd.randint(2, 4), "no_sync": True},
-                 {"bucket_bytes": rnd.randint(200, 3000), "accumulation": rnd.randint(2, 4), "no_sync": False},
-                 {"bucket_bytes": rnd.choice((1 << 30, rnd.randint(200, 3000))), "accumulation": rnd.randint(1, 4),
-                  "no_sync": rnd.random() < 0.5}]  # fmt: skip
+        drawn = _draw_bytes_cases(rnd)
         run = launch_learner(_measure_ddp_bytes, p, drawn, timeout=60.0, threads=1)
         for r, measured in enumerate(run.values):
             for case, got in zip(drawn, measured):
-                k, ns, b, size = case["accumulation"], case["no_sync"], got["buckets"], got["itemsize"]
-                said = mine(list(b), p, r, size, k, ns)
-                where = (f"ddp_bytes(bucket_numels={b}, p={p}, rank={r}, itemsize={size}, accumulation={k}, "
-                         f"no_sync={ns})")  # fmt: skip
-                hint = ""
-                syncs = 1 if ns else k
+                k, every, b, size = case["accumulation"], case["sync_every"], got["buckets"], got["itemsize"]
+                said = mine(list(b), p, r, size, k, every)
+                where = (f"ddp_recv_bytes(bucket_numels={b}, p={p}, rank={r}, itemsize={size}, accumulation={k}, "
+                         f"sync_every={every})")  # fmt: skip
+                if said == got["recv"]:
+                    continue
+                syncs = sum(_syncs_after(m, k, every) for m in range(k))
+                one = sum(_ring_recv(n, p, r) for n in b) * size
+                # every reading of the number that fits (8-byte elements and twice the syncs can look alike)
+                hints = []
+                if said == sum(_ring_sent(n, p, r) for n in b) * size * syncs:
+                    hints.append("that is what the rank sent")
                 if said in (
                     2 * (p - 1) * sum(b) * size * syncs / p,
                     2 * (p - 1) * sum(b) * size * syncs // p,
                 ):
-                    hint = (
-                        " (2(p-1)/p is the ranks' average; each bucket's ring cuts it into chunks of its own)"
+                    hints.append(
+                        "2(p-1)/p is the ranks' average; each bucket's ring cuts it into chunks of its own"
                     )
-                elif k > 1 and said * syncs == got["sent"]:
-                    hint = " (that is one micro-step's bytes: how many of the micro-steps synced?)"
-                elif k > 1 and said == got["sent"] * k:
-                    hint = f" ({k} times what the rank sent: how many of the micro-steps synced?)"
-                assert said == got["sent"], (
-                    f"{where}: you predict {said} bytes, the rank sent {got['sent']}{hint}"
+                if isinstance(said, (int, float)) and size != 8 and said * size == got["recv"] * 8:
+                    hints.append("as if every element were 8 bytes")
+                if isinstance(said, (int, float)) and one and said % one == 0 and said // one != syncs:
+                    hints.append(
+                        f"that is {int(said // one)} sync(s)' worth; count the micro-steps that synced"
+                    )
+                hint = f" ({'; or '.join(hints)})" if hints else ""
+                raise AssertionError(
+                    f"{where}: you predict {said} bytes, the rank received {got['recv']}{hint}"
                 )
-                cases += 1
-    passed("check_ddp_bytes", "every rank sent exactly what you predicted, with and without no_sync()")
+    passed("check_ddp_recv_bytes", "every rank received exactly what you predicted, float32 and float64")
 
 
 # this module's references and helpers too (here, once they are defined: the module is still being imported)

@@ -202,3 +202,23 @@ def test_torchs_offloading_helpers_are_switched_off_or_do_another_job():
     }
     loose = {m: n for m, n in loose.items() if n}
     assert not loose, f"torch functions that offload gradients or optimizer state, not switched off: {loose}"
+
+
+def test_state_kept_outside_pending_fails():
+    """Two runs are called in turn: gradients kept in a module-level list instead of each run's `pending`
+    reach the wrong run."""
+    cheat = (
+        "_kept = []\n"
+        "def delayed_offloaded_step(params, masters, optimizer, to_host, to_device, pending, delayed):\n"
+        "    arrived = [to_host(p.grad).float() for p in params]\n"
+        "    for p in params:\n        p.grad = None\n"
+        "    if not delayed:\n        _kept.clear()\n        use = arrived\n"
+        "    else:\n        use = _kept[:] if _kept else None\n        _kept[:] = arrived\n"
+        "    if use is not None:\n"
+        "        for m, g in zip(masters, use):\n            m.grad = g\n"
+        "        optimizer.step()\n"
+        "        for p, m in zip(params, masters):\n"
+        "            p.data.copy_(to_device(m.detach().to(p.dtype)))\n            m.grad = None\n"
+    )
+    with pytest.raises(AssertionError, match="differs|raised|bytes"):
+        run_check("05", "check_delayed_offloaded_step", cheat)

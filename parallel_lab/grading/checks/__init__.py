@@ -194,11 +194,14 @@ def uneven_vocab(config: dict, world_size: int) -> int:
     from parallel_lab.models import GPTConfig, build_model
 
     rnd = random.Random(draw_seed())
-    while True:
+    for _ in range(200):
         vocab = rnd.randint(20, 79)
         model = build_model(GPTConfig(**{**config, "vocab": vocab}), seed=0)
         if sum(q.numel() for q in model.parameters()) % world_size:
             return vocab
+    raise ValueError(
+        f"world_size={world_size}: no vocabulary from 20 to 79 makes this model's parameter count indivisible by it"
+    )
 
 
 def guarded(fn: Any, targets: dict[str, str], exercise: str) -> Any:

@@ -78,61 +78,65 @@ def check_delayed_offloaded_step(fn: Callable) -> None:
 
     runs = 0
     for first_delayed in (1, 2, 3):
-        seed = draw_seed()  # sizes, weights and gradients drawn afresh every grade run
-        shapes, masters, g = _tensors(seed)
-        ref_masters = [m.detach().clone().requires_grad_() for m in masters]
-        params = [m.detach().to(torch.bfloat16) for m in masters]  # device: bf16 copies
-        opt = torch.optim.Adam(masters, lr=0.05)
-        calls = first_delayed + 3
-        grads = [[torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes] for _ in range(calls)]
-        want = _reference(ref_masters, grads, first_delayed)
-        n = sum(m.numel() for m in masters)
-        moved.update(d2h=0, h2d=0)
-        pending: list = []
-        for call in range(1, calls + 1):
-            delayed = call >= first_delayed
-            for p, gr in zip(params, grads[call - 1]):
-                p.grad = gr.clone()  # what this step's backward left on the device
-            moved.update(d2h=0, h2d=0)
-            where = (
-                f"call {call} of {calls} (delayed={delayed}; the delay starts at call {first_delayed}, "
-                f"{len(shapes)} tensors, {n} parameters)"
-            )
-            try:
-                fn(params, masters, opt, to_host, to_device, pending, delayed)
-            except NotImplementedError:
-                raise
-            except Exception as e:
-                raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e}") from e
-            for i, (m, r) in enumerate(zip(masters, want[call - 1])):
-                d = (m.detach() - r).abs().max().item()
-                assert d <= 1e-6, (
-                    f"{where}: master {i} differs from the reference by {d:.3g}: which step's gradients "
-                    "did this call's optimizer step use (or did it step when it should not)?"
+        # two independent runs of the same schedule, called in turn: state kept anywhere but in each run's
+        # `pending` mixes them up
+        streams = []
+        for _ in range(2):
+            shapes, masters, g = _tensors(draw_seed())  # sizes, weights and gradients drawn afresh every run
+            ref_masters = [m.detach().clone().requires_grad_() for m in masters]
+            calls = first_delayed + 3
+            grads = [[torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes] for _ in range(calls)]
+            streams.append({
+                "shapes": shapes, "masters": masters, "grads": grads, "calls": calls, "pending": [],
+                "params": [m.detach().to(torch.bfloat16) for m in masters],  # device: bf16 copies
+                "opt": torch.optim.Adam(masters, lr=0.05), "want": _reference(ref_masters, grads, first_delayed),
+                "n": sum(m.numel() for m in masters),
+            })  # fmt: skip
+        for call in range(1, streams[0]["calls"] + 1):
+            for which, st in enumerate(streams):
+                delayed = call >= first_delayed
+                for p, gr in zip(st["params"], st["grads"][call - 1]):
+                    p.grad = gr.clone()  # what this step's backward left on the device
+                moved.update(d2h=0, h2d=0)
+                where = (
+                    f"run {'AB'[which]}, call {call} of {st['calls']} (delayed={delayed}; the delay starts at call "
+                    f"{first_delayed}; {len(st['shapes'])} tensors, {st['n']} parameters; two runs called in turn)"
                 )
-            for i, (p, r) in enumerate(zip(params, want[call - 1])):
-                assert p.dtype == torch.bfloat16, (
-                    f"{where}: parameter {i} must stay bf16 on the device, got {p.dtype}"
+                try:
+                    fn(st["params"], st["masters"], st["opt"], to_host, to_device, st["pending"], delayed)
+                except NotImplementedError:
+                    raise
+                except Exception as e:
+                    raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e}") from e
+                for i, (m, r) in enumerate(zip(st["masters"], st["want"][call - 1])):
+                    d = (m.detach() - r).abs().max().item()
+                    assert d <= 1e-6, (
+                        f"{where}: master {i} differs from the reference by {d:.3g}: which step's gradients "
+                        "did this call's optimizer step use (or did it step when it should not)? Keep what a run "
+                        "holds between calls in its own `pending`"
+                    )
+                for i, (p, r) in enumerate(zip(st["params"], st["want"][call - 1])):
+                    assert p.dtype == torch.bfloat16, (
+                        f"{where}: parameter {i} must stay bf16 on the device, got {p.dtype}"
+                    )
+                    d = (p.detach().float() - r.to(torch.bfloat16).float()).abs().max().item()
+                    assert d == 0, (
+                        f"{where}: device parameter {i} differs from its master rounded to bf16 by {d:.3g} "
+                        "after this call"
+                    )
+                d2h, h2d = 2 * st["n"], (0 if call == first_delayed else 2 * st["n"])
+                assert moved["d2h"] == d2h, (
+                    f"{where}: {moved['d2h']} bytes went to the host; this step's bf16 gradients are {d2h} "
+                    "bytes, and each must cross once, as it is"
                 )
-                d = (p.detach().float() - r.to(torch.bfloat16).float()).abs().max().item()
-                assert d == 0, (
-                    f"{where}: device parameter {i} differs from its master rounded to bf16 by {d:.3g} "
-                    "after this call"
+                assert moved["h2d"] == h2d, (
+                    f"{where}: {moved['h2d']} bytes went to the device, expected {h2d}"
+                    + ("" if h2d else ": nothing changed on the host, so nothing needs to come back")
                 )
-            d2h = 2 * n
-            h2d = 0 if call == first_delayed else 2 * n
-            assert moved["d2h"] == d2h, (
-                f"{where}: {moved['d2h']} bytes went to the host; this step's bf16 gradients are {d2h} "
-                "bytes, and each must cross once, as it is"
-            )
-            assert moved["h2d"] == h2d, (
-                f"{where}: {moved['h2d']} bytes went to the device, expected {h2d}"
-                + ("" if h2d else ": nothing changed on the host, so nothing needs to come back")
-            )
-        runs += 1
+        runs += 2
     passed(
         "check_delayed_offloaded_step",
-        f"{runs} runs, the delay starting at steps 1, 2 and 3, checked after every call",
+        f"{runs} runs in pairs, the delay starting at steps 1, 2 and 3, checked after every call",
     )
 
 
@@ -177,7 +181,12 @@ def check_offload_bytes(fn: Callable) -> None:
     cases = 0
     for p, optimizer in zip((1, 2, 3), order):
         k = int(torch.randint(1, 4, (1,), generator=g))  # 1-3 micro-batches, drawn
-        vocab = uneven_vocab(_SMALL, 3) if p == 3 else _SMALL["vocab"]
+        # 2 and 3 ranks: a size drawn per run (on 3, one that 3 does not divide: the padded slice)
+        vocab = {
+            1: _SMALL["vocab"],
+            2: int(torch.randint(20, 80, (1,), generator=g)),
+            3: uneven_vocab(_SMALL, 3),
+        }[p]
         for r, got in enumerate(
             launch(_measure_offload, p, vocab, k, optimizer, track_memory=True, timeout=60.0).values
         ):
@@ -193,5 +202,6 @@ def check_offload_bytes(fn: Callable) -> None:
                 )
             cases += 1
     passed(
-        "check_offload_bytes", f"{cases} ranks on 1, 2 and 3 ranks, every optimizer, measured as predicted"
+        "check_offload_bytes",
+        f"{cases} rank results from runs on 1, 2 and 3 ranks, every optimizer, measured as predicted",
     )

@@ -98,12 +98,17 @@ COMP = "compensated_step"
         # the compensation kept in fp32 (4 bytes per weight: the master copy again)
         (edit("06", COMP, "c.copy_(((t.float() - p.float()) - y).to(torch.bfloat16))",
               "comps[comps.index(c) if False else 0] = ((t.float() - p.float()) - y)"), "must stay bf16"),
-        # fp32 master weights kept outside, keyed by tensor: stale after the reload
+        # fp32 master weights kept outside, keyed by tensor: new tensors every call leave them behind
         ("import torch\n_m = {}\ndef compensated_step(params, comps, updates):\n"
          "    for p, u in zip(params, updates):\n        m = _m.setdefault(id(p), p.float())\n"
-         "        m += u\n        p.copy_(m.to(torch.bfloat16))\n", "reloaded"),
+         "        m += u\n        p.copy_(m.to(torch.bfloat16))\n", "gaps from|raised"),
+        # fp32 masters kept by position, rebuilt when the weight no longer matches: two runs in turn mix them
+        ("import torch\n_m = {}\ndef compensated_step(params, comps, updates):\n"
+         "    for i, (p, u) in enumerate(zip(params, updates)):\n        m = _m.get(i)\n"
+         "        if m is None or not torch.equal(m.to(torch.bfloat16), p):\n            m = p.float()\n"
+         "        m = m + u\n        _m[i] = m\n        p.copy_(m.to(torch.bfloat16))\n", "gaps from"),
     ],
-    ids=["plain-bf16", "wrong-sign", "fp32-compensation", "hidden-fp32-masters"],
+    ids=["plain-bf16", "wrong-sign", "fp32-compensation", "hidden-fp32-masters", "positional-fp32-masters"],
 )  # fmt: skip
 def test_wrong_compensated_steps_fail(wrong, match):
     with pytest.raises(AssertionError, match=match):
@@ -146,3 +151,24 @@ def test_every_grad_scaler_in_torch_is_switched_off():
         assert issubclass(cls, torch.amp.GradScaler), f"{module}.{name} is not a GradScaler"
         missing = [m for m in own if f"{module}.{name}.{m}" not in FORBIDDEN]
         assert not missing, f"{module}.{name} defines {missing} itself, and they are not switched off"
+
+
+def test_torchs_own_rounding_is_refused():
+    """A bisection with torch's casts (the check's own method) or a probe of fp16's overflow makes low-precision
+    tensors: refused, since the exercises ask for the format's reasoning."""
+    bisect = (
+        "import torch\ndef smallest_update(weight, dtype):\n"
+        "    d = {'fp16': torch.float16, 'bf16': torch.bfloat16, 'e4m3': torch.float8_e4m3fn, 'e5m2': torch.float8_e5m2}[dtype]\n"
+        "    lo, hi = 1e-45, abs(weight) or 1.0\n"
+        "    for _ in range(200):\n        mid = (lo + hi) / 2\n"
+        "        if torch.tensor(weight + mid, dtype=torch.float64).to(d).item() != weight:\n            hi = mid\n"
+        "        else:\n            lo = mid\n    return hi\n"
+    )
+    with pytest.raises(AssertionError, match="without low-precision arithmetic"):
+        run_check("06", "check_smallest_update", bisect)
+    probe = (
+        "import torch\ndef skipped_steps(steps, grad_max, init_scale, growth_interval):\n"
+        "    return int(torch.tensor(init_scale * grad_max).half().isinf())\n"
+    )
+    with pytest.raises(AssertionError, match="without low-precision arithmetic"):
+        run_check("06", "check_skipped_steps", probe)

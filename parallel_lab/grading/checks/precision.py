@@ -7,8 +7,40 @@ import random
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
+
+_LOW = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class _NoLowPrecision(TorchDispatchMode):
+    """Refuses every op that makes a 16- or 8-bit float tensor: the exercise asks for reasoning about the
+    format, not for a search with torch's own rounding."""
+
+    def __init__(self, exercise: str) -> None:
+        super().__init__()
+        self.exercise = exercise
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype in _LOW:
+                raise AssertionError(
+                    f"{self.exercise}: your code made a {str(t.dtype).replace('torch.', '')} tensor ({func}); this "
+                    "exercise asks you to work it out from the format, without low-precision arithmetic"
+                )
+        return out
+
+
+def _reasoned(fn: Callable, exercise: str) -> Callable:
+    def call(*args, **kwargs):
+        with _NoLowPrecision(exercise):
+            return fn(*args, **kwargs)
+
+    return call
+
 
 # The lab's loss scaler and mixed-precision optimizer, and torch's GradScaler, switched off
 # while the learner's function runs.
@@ -57,7 +89,7 @@ def check_skipped_steps(fn: Callable[..., int]) -> None:
     backoff 0.5) skips when every step's largest gradient is `grad_max` in fp16; predicted, then measured
     on real fp16 backward passes under torch.amp.GradScaler("cpu")."""
     require_callable(fn)
-    fn = guarded(fn, FORBIDDEN, "this exercise (skipped_steps)")
+    fn = _reasoned(guarded(fn, FORBIDDEN, "this exercise (skipped_steps)"), "skipped_steps")
     rnd = random.Random(draw_seed())  # gradients, scales, intervals and lengths drawn afresh every grade run
     top = 2.0**15  # the scale at which the fixed edge cases sit at fp16's top
     cases = [
@@ -88,9 +120,9 @@ def check_skipped_steps(fn: Callable[..., int]) -> None:
 BF16_EPS = 2.0**-7  # bf16's gap at 1.0: 7 stored mantissa bits
 
 
-def _compensated_case(rnd: random.Random, spread: bool):
+def _compensated_case(rnd: random.Random, spread: bool, shapes: list | None = None):
     """bf16 weights near 1 (or spread over four decades), and 300 updates each far below half a gap."""
-    shapes = [(rnd.randint(3, 9), rnd.randint(2, 6)) for _ in range(2)] + [(rnd.randint(5, 40),)]
+    shapes = shapes or [(rnd.randint(3, 9), rnd.randint(2, 6)) for _ in range(2)] + [(rnd.randint(5, 40),)]
     g = torch.Generator().manual_seed(rnd.getrandbits(62))
     weights, updates = [], []
     for s in shapes:
@@ -104,60 +136,73 @@ def _compensated_case(rnd: random.Random, spread: bool):
 
 
 def _ulps(w: torch.Tensor, ref: torch.Tensor) -> float:
-    """The largest distance from the reference, in bf16 gaps at the reference's size."""
-    return ((w.float() - ref).abs() / (ref.abs() * BF16_EPS)).max().item()
+    """The largest distance from the reference, in bf16 gaps at the reference's size (2^(floor(log2|ref|) - 7))."""
+    gap = torch.exp2(torch.floor(torch.log2(ref.abs())) - 7)
+    return ((w.float() - ref).abs() / gap).max().item()
 
 
 def check_compensated_step(fn: Callable[..., None]) -> None:
     """`fn(params, comps, updates)`: add fp32 `updates` to bf16 `params` in place, keeping only the bf16
     `comps` between steps; after 300 steps of updates far below half a bf16 gap the weights must be within
-    one bf16 gap of an fp32 run of the same updates (plain bf16 addition stays where it started)."""
+    one bf16 gap of an fp32 run of the same updates (plain bf16 addition stays where it started). Two runs of
+    the same shapes are called in turn, with new tensor objects every call, and each is reloaded once:
+    state kept anywhere but in params and comps goes to the wrong run or goes stale."""
     require_callable(fn)
     fn = guarded(fn, FORBIDDEN, "this exercise (compensated_step)")
     rnd = random.Random(
         draw_seed()
-    )  # sizes, weights, updates and the reload step drawn afresh every grade run
+    )  # sizes, weights, updates and the reload steps drawn afresh every grade run
     for spread in (False, True):
-        weights, updates = _compensated_case(rnd, spread)
-        params = [w.clone() for w in weights]
-        comps = [torch.zeros_like(w) for w in weights]
-        ref = [w.float() for w in weights]  # the fp32 run the compensation must follow
-        reload = rnd.randint(100, 200)  # weights reloaded from a bf16 checkpoint here, compensations zeroed
-        what = "weights spread from 0.01 to 100" if spread else "weights near 1.0"
-        for step, upd in enumerate(updates):
-            if step == reload:
-                for k, (p, c) in enumerate(zip(params, comps)):
-                    p.copy_(weights[k] * 1.5)  # a checkpoint written elsewhere: the weights change under you
-                    c.zero_()
-                    ref[k] = p.float()
-            try:
-                fn(params, comps, [u.clone() for u in upd])
-            except NotImplementedError:
-                raise
-            except Exception as e:
-                raise AssertionError(
-                    f"{what}, step {step}: your function raised {type(e).__name__}: {e}"
-                ) from e
-            for k, u in enumerate(upd):
-                ref[k] += u
-            for p, c in zip(params, comps):
-                assert p.dtype == torch.bfloat16 and c.dtype == torch.bfloat16, (
-                    f"{what}, step {step}: params and comps must stay bf16 tensors (2 bytes each), got {p.dtype} "
-                    f"and {c.dtype}"
-                )
-            if step == reload:
-                far = max(_ulps(p, r) for p, r in zip(params, ref))
-                assert far <= 1.0, (
-                    f"{what}, step {step}: the weights were reloaded (changed in place, compensations zeroed) just "
-                    f"before this call, and your weights are {far:.1f} bf16 gaps from them plus this step's update: "
-                    "state kept anywhere but in params and comps goes stale"
-                )
-        far = max(_ulps(p, r) for p, r in zip(params, ref))
-        assert far <= 1.0, (
-            f"{what}, after 300 steps of updates each well below half a bf16 gap: your weights are {far:.1f} "
-            "bf16 gaps from an fp32 run of the same updates (within 1 expected)"
-        )
-    passed("check_compensated_step", "2 runs of 300 steps follow the fp32 run within one bf16 gap")
+        shapes = [(rnd.randint(3, 9), rnd.randint(2, 6)) for _ in range(2)] + [(rnd.randint(5, 40),)]
+        runs = []
+        for _ in range(2):
+            weights, updates = _compensated_case(rnd, spread, shapes)
+            runs.append({"weights": weights, "updates": updates, "params": [w.clone() for w in weights],
+                         "comps": [torch.zeros_like(w) for w in weights], "ref": [w.float() for w in weights],
+                         "reload": rnd.randint(100, 200)})  # fmt: skip
+        what = "one run spread from 0.01 to 100" if spread else "one run near 1.0"
+        for step in range(300):
+            for which, r in enumerate(runs):
+                where = f"{what} (two runs called in turn: run {'AB'[which]}), step {step}"
+                if step == r["reload"]:
+                    for k, (p, c) in enumerate(zip(r["params"], r["comps"])):
+                        p.copy_(r["weights"][k] * 1.5)  # a checkpoint written elsewhere: the weights change
+                        c.zero_()
+                        r["ref"][k] = p.float()
+                params = [p.clone() for p in r["params"]]  # new tensor objects every call
+                comps = [c.clone() for c in r["comps"]]
+                try:
+                    fn(params, comps, [u.clone() for u in r["updates"][step]])
+                except NotImplementedError:
+                    raise
+                except Exception as e:
+                    raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e}") from e
+                for p, c in zip(params, comps):
+                    assert p.dtype == torch.bfloat16 and c.dtype == torch.bfloat16, (
+                        f"{where}: params and comps must stay bf16 tensors (2 bytes each), got {p.dtype} "
+                        f"and {c.dtype}"
+                    )
+                r["params"], r["comps"] = params, comps
+                for k, u in enumerate(r["updates"][step]):
+                    r["ref"][k] += u
+                if step == r["reload"]:
+                    far = max(_ulps(p, ref) for p, ref in zip(params, r["ref"]))
+                    assert far <= 1.0, (
+                        f"{where}: the weights were reloaded (changed, compensations zeroed) just before this call, "
+                        f"and your weights are {far:.1f} bf16 gaps from them plus this step's update: state kept "
+                        "anywhere but in params and comps goes stale"
+                    )
+        for which, r in enumerate(runs):
+            far = max(_ulps(p, ref) for p, ref in zip(r["params"], r["ref"]))
+            assert far <= 1.0, (
+                f"{what} (run {'AB'[which]}), after 300 steps of updates each well below half a bf16 gap: your "
+                f"weights are {far:.1f} bf16 gaps from an fp32 run of the same updates (within 1 expected); "
+                "with two runs called in turn, keep what a run carries in its own comps"
+            )
+    passed(
+        "check_compensated_step",
+        "4 runs of 300 steps, called in pairs, follow the fp32 run within one bf16 gap",
+    )
 
 
 # ----------------------------------------------------------------------------- predict, then measure
@@ -202,7 +247,7 @@ def check_smallest_update(fn: Callable[[float, str], float]) -> None:
     rounded to `dtype` ("fp16", "bf16", "e4m3", "e5m2"), is no longer `weight`; `weight` is a number of that
     format (zero, negative and subnormal ones included). Predicted, then found by bisection (within 1%)."""
     require_callable(fn)
-    fn = guarded(fn, FORBIDDEN, "this exercise (smallest_update)")
+    fn = _reasoned(guarded(fn, FORBIDDEN, "this exercise (smallest_update)"), "smallest_update")
     cases = [(1.0, "fp16"), (0.75, "bf16"), (-1.0, "fp16"), (-2.0, "e4m3"), (3.0, "e5m2"), (0.0, "e5m2"),
              (2.0**-20, "fp16"), (-(2.0**-8), "e4m3"), (60000.0, "fp16"), (-1000.0, "bf16")]  # fmt: skip
     rnd = random.Random(draw_seed())  # and one weight per format drawn afresh every grade run

@@ -26,17 +26,42 @@ MLP = "SelectiveMLP"
         # the full checkpoint of the lesson: keep only the input, rebuild h with a product
         (edit("07", MLP, "ctx.save_for_backward(x, w1, w2, h)", "ctx.save_for_backward(x, w1, w2)")
          .replace("x, w1, w2, h = ctx.saved_tensors", "x, w1, w2 = ctx.saved_tensors\n        h = x @ w1.T"),
-         "saves 0 bytes"),
+         "keeps 0 bytes"),
+        # gelu(h) stored on the context, where the saved-tensor hooks do not look
+        (edit("07", MLP, "ctx.save_for_backward(x, w1, w2, h)", "ctx.save_for_backward(x, w1, w2, h)\n        ctx.a = torch.nn.functional.gelu(h)"),
+         "keeps .* bytes .* on ctx"),
+        # the same, hidden in nested containers
+        (edit("07", MLP, "ctx.save_for_backward(x, w1, w2, h)", "ctx.save_for_backward(x, w1, w2, h)\n        ctx.stash = {'a': [torch.nn.functional.gelu(h)]}"),
+         "keeps .* bytes"),
+        # x w1^T rebuilt in backward although h was kept: a fifth product
+        (edit("07", MLP, "x, w1, w2, h = ctx.saved_tensors", "x, w1, w2, h = ctx.saved_tensors\n        h = x @ w1.T"),
+         "backward ran 5 matrix products; four are enough"),
         # gelu's derivative forgotten
         (edit("07", MLP, "(grad_h,) = torch.autograd.grad(a, h, grad_a)", "grad_h = grad_a"), "gradient of x differs"),
         # the weight gradients transposed
         (edit("07", MLP, "grad_h.T @ x, grad_y.T @ a.detach()", "x.T @ grad_h, a.detach().T @ grad_y"), "gradient of w1|shape|size"),
     ],
-    ids=["keeps-gelu-too", "full-recompute", "no-gelu-derivative", "transposed-weight-grads"],
+    ids=["keeps-gelu-too", "full-recompute", "gelu-on-ctx", "gelu-nested-on-ctx", "rebuilds-h", "no-gelu-derivative",
+         "transposed-weight-grads"],
 )  # fmt: skip
 def test_wrong_selective_functions_fail(wrong, match):
     with pytest.raises((AssertionError, RuntimeError), match=match):
         run_check("07", "check_selective_mlp", wrong)
+
+
+def test_h_kept_on_the_context_passes(capsys):
+    """Keeping h as a ctx attribute instead of through save_for_backward is the same memory: accepted."""
+    right = edit(
+        "07",
+        MLP,
+        "ctx.save_for_backward(x, w1, w2, h)",
+        "ctx.save_for_backward(x, w1, w2)\n        ctx.h = h",
+    )
+    right = right.replace(
+        "x, w1, w2, h = ctx.saved_tensors", "x, w1, w2 = ctx.saved_tensors\n        h = ctx.h"
+    )
+    run_check("07", "check_selective_mlp", right)
+    assert " passed: " in capsys.readouterr().out
 
 
 def test_torchs_selective_checkpoint_is_switched_off():
@@ -59,14 +84,11 @@ SEG = "best_segments"
         # the lesson's equal cut, whatever the blocks
         ("def best_segments(linears, segments):\n    q, r = divmod(len(linears), segments)\n"
          "    return [q + (1 if j < r else 0) for j in range(segments)]\n", "another cut holds only"),
-        # equal shares of saved tensors, ignoring that earlier segments' inputs stay alive
-        (edit("07", SEG, "out = max(out, j + sum(linears[start : start + s]))", "out = max(out, sum(linears[start : start + s]))"),
-         "another cut holds only"),
         # the last segment's length forgotten
         (edit("07", SEG, "sizes = [b - a for a, b in zip(edges, edges[1:])]", "sizes = [b - a for a, b in zip(edges, edges[1:])][:-1]"),
          "segment sizes that add up"),
     ],
-    ids=["equal-cut", "ignores-held-inputs", "drops-last-segment"],
+    ids=["equal-cut", "drops-last-segment"],
 )  # fmt: skip
 def test_wrong_cuts_fail(wrong, match):
     for _ in range(3):  # a drawn stack may be one where the mistake costs nothing: a few runs expose it
@@ -76,6 +98,31 @@ def test_wrong_cuts_fail(wrong, match):
             assert match in str(e), e
             return
     pytest.fail("three grade runs in a row accepted a wrong cut")
+
+
+@pytest.mark.parametrize("tie", ["<", "<="], ids=["first-of-ties", "last-of-ties"])
+def test_minimising_the_largest_segment_fails_whatever_the_tie_order(tie):
+    """The smallest largest-segment sum, earlier segments' held inputs ignored: the fixed stack [1, 2, 1, 1] in 3
+    segments has one such cut, [1, 1, 2] (peak 4), where [2, 1, 1] holds 3; so every grade run fails it, whichever
+    of several equal cuts the search keeps elsewhere."""
+    wrong = (
+        "import itertools\n"
+        "def best_segments(linears, segments):\n"
+        "    def largest(sizes):\n"
+        "        edges = list(itertools.accumulate([0, *sizes]))\n"
+        "        return max(sum(linears[a:b]) for a, b in zip(edges, edges[1:]))\n"
+        "    best = None\n"
+        "    for cut in itertools.combinations(range(1, len(linears)), segments - 1):\n"
+        "        edges = (0, *cut, len(linears))\n"
+        "        sizes = [b - a for a, b in zip(edges, edges[1:])]\n"
+        f"        if best is None or largest(sizes) {tie} largest(best):\n"
+        "            best = sizes\n"
+        "    return best\n"
+    )
+    with pytest.raises(
+        AssertionError, match=r"segments=3\): your segments \[1, 1, 2\] hold up to 4 .* only 3"
+    ):
+        run_check("07", "check_best_segments", wrong)
 
 
 PEAK = "peak_saved"

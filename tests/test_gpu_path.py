@@ -285,6 +285,7 @@ HOST_ON_PURPOSE = {
     "offload/streaming.py": "offloading keeps the weights in host memory by design",
     "offload/host_optimizer.py": "ZeRO-Offload's optimizer runs on the host by design",
     "grading/checks/moe.py": "a check's reference experts, computed in the grading process",
+    "grading/checks/precision.py": "torch.amp.GradScaler('cpu'): the check measures the scaler in the grading process",
 }
 
 

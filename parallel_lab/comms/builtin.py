@@ -12,7 +12,6 @@ Import them from `parallel_lab.comms`, which re-exports this module.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from collections.abc import Sequence
@@ -21,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from parallel_lab.comms.core import (
     _DIST_OPS,
@@ -38,7 +36,7 @@ from parallel_lab.comms.core import (
 )
 from parallel_lab.comms.cost import ring_bytes_per_rank, tree_bytes_per_rank
 from parallel_lab.runtime import device as dev
-from parallel_lab.runtime.alloc_mode import _AllocMode
+from parallel_lab.runtime.memory import seen_by, thread_trackers
 
 
 # ----------------------------------------------------------------------------- traced built-ins
@@ -273,9 +271,7 @@ class CommThread:
         while True:
             fn, box, done, ready, trackers = self.jobs.get()
             try:
-                with contextlib.ExitStack() as seen, dev.on_stream(stream):
-                    for tracker in trackers:
-                        seen.enter_context(_AllocMode(tracker))
+                with seen_by(trackers), dev.on_stream(stream):
                     dev.wait_for(ready)
                     box.append(fn())
                     box.append(dev.stream_point(self.device))
@@ -289,7 +285,7 @@ class CommThread:
         # A memory tracker's dispatch mode (how it sees allocations on a GPU) is per thread: the job
         # runs under the submitter's, so the comm thread's temporaries (a hook's casts, top-k clones,
         # PowerSGD's P and Q) count on a GPU as the allocator hook counts them on a CPU.
-        trackers = [m.tracker for m in _get_current_dispatch_mode_stack() if isinstance(m, _AllocMode)]
+        trackers = thread_trackers()
         self.jobs.put((fn, h.box, h.done, dev.stream_point(self.device), trackers))
         return h
 

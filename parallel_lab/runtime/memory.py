@@ -59,6 +59,23 @@ from parallel_lab.runtime.trace import CATEGORIES
 _MECHANISMS = ("auto", "allocator", "dispatch")
 
 
+def thread_trackers() -> list:
+    """The trackers whose dispatch mode is on in this thread (how a tracker sees allocations on a GPU;
+    the CPU's allocator hook sees every thread). Hand them to `seen_by` on another thread."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return [m.tracker for m in _get_current_dispatch_mode_stack() if isinstance(m, _AllocMode)]
+
+
+@contextlib.contextmanager
+def seen_by(trackers: list) -> Iterator[None]:
+    """Inside the block, this thread's new storages are seen by `trackers` (from `thread_trackers`)."""
+    with contextlib.ExitStack() as stack:
+        for tracker in trackers:
+            stack.enter_context(_AllocMode(tracker))
+        yield
+
+
 class MemoryTracker:
     """Live bytes per category (`trace.CATEGORIES`) on one device, with the peak.
 

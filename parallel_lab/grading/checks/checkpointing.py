@@ -171,17 +171,16 @@ def _stack(linears: list[int], hidden: int = 4) -> nn.Sequential:
 
 def _measured_peak(linears: list[int], sizes: list[int], checkpoint_last: bool) -> int:
     """The most saved tensors alive at once, counted on a real forward and backward."""
-    from parallel_lab.checkpointing import SavedTensorCounter
-    from parallel_lab.checkpointing.recompute import _Chain, checkpoint
+    from parallel_lab.checkpointing import SavedTensorCounter, checkpoint
 
     model = _stack(linears)
     x = torch.randn(2, 4, requires_grad=True)
     with SavedTensorCounter(model.parameters()) as c:
         start = 0
         for k, size in enumerate(sizes):
-            run = _Chain(list(model)[start : start + size])
+            run = nn.Sequential(*list(model)[start : start + size])
             last = k == len(sizes) - 1
-            x = run(x) if last and not checkpoint_last else checkpoint(run, x, params=run.parameters())
+            x = run(x) if last and not checkpoint_last else checkpoint(run, x, params=list(run.parameters()))
             start += size
         x.sum().backward()
     return c.peak_count
@@ -269,8 +268,7 @@ class _ReferenceSelective(torch.autograd.Function):
 
 def _measured_mlp_bytes(layers: int, n: int, d: int, f: int, policy: str) -> int:
     """The peak bytes of saved activations (weights excluded) over one forward and backward of the stack."""
-    from parallel_lab.checkpointing import SavedTensorCounter
-    from parallel_lab.checkpointing.recompute import checkpoint
+    from parallel_lab.checkpointing import SavedTensorCounter, checkpoint
 
     g = torch.Generator().manual_seed(1)
     ws = [(torch.randn(f, d, generator=g, requires_grad=True), torch.randn(d, f, generator=g, requires_grad=True))

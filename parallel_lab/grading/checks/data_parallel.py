@@ -273,7 +273,7 @@ def _hook_rank(ctx, fn: Callable, cases: list[dict]) -> int:
 def _hook_case(ctx, fn: Callable, case: dict) -> None:
     import torch.distributed as dist
 
-    from parallel_lab.comms.core import Handle
+    from parallel_lab.comms import Handle
 
     def _is_work_of(entry, new: list) -> bool:
         """`entry` is one of the works in `new` (launched during this call), or the lab's handle of one."""

@@ -204,6 +204,24 @@ def uneven_vocab(config: dict, world_size: int) -> int:
     )
 
 
+def tensors_in(obj: Any, depth: int = 0) -> list:
+    """Every tensor in `obj`, looking inside lists, tuples, sets, dicts and objects' attributes (six levels):
+    where a learner's code may keep state a check must count."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 6:
+        return []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [t for v in obj for t in tensors_in(v, depth + 1)]
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return tensors_in(list(vars(obj).values()), depth + 1)
+    return []
+
+
 def guarded(fn: Any, targets: dict[str, str], exercise: str) -> Any:
     """`fn` wrapped so that it runs under `unavailable(targets, exercise)`, on whichever rank calls it."""
 

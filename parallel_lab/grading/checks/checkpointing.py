@@ -27,7 +27,15 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable, unavailable
+from parallel_lab.grading.checks import (
+    draw_seed,
+    family,
+    guarded,
+    passed,
+    require_callable,
+    tensors_in,
+    unavailable,
+)
 
 # The lab's recomputation and measurements, and torch's checkpointing (its selective-checkpoint API
 # included), switched off while the learner's code runs.
@@ -56,21 +64,6 @@ class _CountMatmuls(TorchDispatchMode):
 
 def _storages(ts) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in ts}
-
-
-def _tensors_in(obj, depth: int = 0) -> list[torch.Tensor]:
-    """Every tensor in `obj`, looking inside lists, tuples, sets, dicts and objects' attributes (a few levels)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if depth > 4:
-        return []
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [t for v in obj for t in _tensors_in(v, depth + 1)]
-    if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        return _tensors_in(list(vars(obj).values()), depth + 1)
-    return []
 
 
 def check_selective_mlp(Function: type) -> None:
@@ -113,7 +106,7 @@ def check_selective_mlp(Function: type) -> None:
                 f"{where}: the output differs from gelu(x w1^T) w2^T"
             )
             # what the context holds as attributes (ctx.a = gelu(h)) is kept as surely as what it saves
-            on_ctx = _tensors_in(list(vars(y.grad_fn).values())) if y.grad_fn is not None else []
+            on_ctx = tensors_in(list(vars(y.grad_fn).values())) if y.grad_fn is not None else []
             extra = [t for t in saved + on_ctx if t.untyped_storage().data_ptr() not in inputs]
             extra_bytes = sum(
                 t.untyped_storage().nbytes()

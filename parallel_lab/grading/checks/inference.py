@@ -32,6 +32,7 @@ from parallel_lab.grading.checks import (
     family,
     passed,
     require_callable,
+    tensors_in,
     unavailable,
 )
 
@@ -103,25 +104,10 @@ def _watched(fn: Callable, exercise: str) -> Callable:
     return call
 
 
-def _tensors_in(obj, depth: int = 0) -> list[torch.Tensor]:
-    """Every tensor in `obj`, looking inside lists, tuples, sets, dicts and objects' attributes (a few levels)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if depth > 6:
-        return []
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [t for v in obj for t in _tensors_in(v, depth + 1)]
-    if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        return _tensors_in(list(vars(obj).values()), depth + 1)
-    return []
-
-
 def _held_numbers(cache) -> int:
     """Numbers held by the tensors in `cache`, counted by storage (a slice keeps all of its storage alive)."""
     storages = {}
-    for t in _tensors_in(cache):
+    for t in tensors_in(cache):
         st = t.untyped_storage()
         storages[st.data_ptr()] = st.nbytes() // max(1, t.element_size())
     return sum(storages.values())

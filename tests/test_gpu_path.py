@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -48,7 +49,8 @@ def test_no_cuda_synchronize_in_the_pipeline_executor():
 
 
 @pytest.mark.parametrize(
-    "backend, threads, want", [("gloo", None, "fork"), ("gloo", 2, "spawn"), ("nccl", None, "spawn")]
+    "backend, threads, want",
+    [("gloo", None, "fork"), ("gloo", 2, "forkserver"), ("nccl", None, "forkserver")],
 )
 def test_start_method(backend, threads, want):
     assert choose_start_method("auto", backend, threads) == want
@@ -62,15 +64,18 @@ def test_nccl_spawns_even_after_the_parent_asked_is_available(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
     backend = dev.resolve_backend("auto", 2)
     assert backend == "nccl"
-    assert choose_start_method("auto", backend, None) == "spawn"
+    assert choose_start_method("auto", backend, None) == "forkserver"
     with pytest.raises(ValueError, match="cannot run NCCL ranks"):
         choose_start_method("fork", backend, None)
 
 
-def test_gloo_ranks_spawn_on_a_machine_with_a_gpu(monkeypatch):
+def test_gloo_ranks_never_fork_on_a_machine_with_a_gpu(monkeypatch):
     """Ranks forked after this process's first backward on a GPU machine fail at their own
-    backward (autograd's per-GPU threads do not survive fork): gloo ranks spawn there too."""
+    backward (autograd's per-GPU threads do not survive fork): gloo ranks come from the forkserver
+    there too (on Linux; spawn elsewhere)."""
     monkeypatch.setattr(dev, "gpu_count", lambda: 1)
+    assert choose_start_method("auto", "gloo", None) == "forkserver"
+    monkeypatch.setattr(sys, "platform", "darwin")
     assert choose_start_method("auto", "gloo", None) == "spawn"
 
 

@@ -20,12 +20,18 @@ from parallel_lab.runtime.launch import MAX_WORLD_SIZE
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _shared_helper(c: psutil.Process) -> bool:
+    cmd = " ".join(c.cmdline())
+    return "resource_tracker" in cmd or "forkserver" in cmd
+
+
 def children() -> list[psutil.Process]:
-    """Live child processes, except multiprocessing's one shared resource tracker (spawn starts it once)."""
+    """Live child processes, except multiprocessing's shared helpers, started once per process: the
+    resource tracker (spawn) and the forkserver (both exit with this process)."""
     out = []
     for c in psutil.Process().children(recursive=True):
         try:
-            if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline()):
+            if c.status() != psutil.STATUS_ZOMBIE and not _shared_helper(c):
                 out.append(c)
         except psutil.NoSuchProcess:
             pass
@@ -82,7 +88,7 @@ def test_fork_after_threaded_math_does_not_hang():
         return (x @ x).shape[0], torch.get_num_threads()
 
     assert pl.launch(f, 1, timeout=20).values == [(128, 1)]
-    with pytest.raises(ValueError, match="threads=2 needs start_method='spawn'"):
+    with pytest.raises(ValueError, match="threads=2 needs start_method='forkserver'"):
         pl.launch(f, 1, threads=2, start_method="fork")
 
 
@@ -98,6 +104,55 @@ def test_spawn_ships_closures_by_value():
     offset = 10
     res = pl.launch(lambda ctx: ctx.rank + offset, 2, start_method="spawn", timeout=60)
     assert res.values == [10, 11]
+
+
+def test_forkserver_ranks_see_the_notebook_as_it_is_now(tmp_path, monkeypatch):
+    """The forkserver starts once; a later launch's ranks still get this process's environment,
+    working directory and closures, and run a backward after the parent ran one."""
+    x = torch.ones(2, requires_grad=True)
+    (x * 3).sum().backward()  # the parent's own backward (on a GPU machine, autograd's threads)
+    offset = 10
+
+    def f(ctx):
+        y = torch.ones(3, requires_grad=True)
+        (y * ctx.rank).sum().backward()
+        return ctx.rank + offset, float(y.grad.sum()), os.environ.get("PL_FORKSERVER_TEST"), os.getcwd()
+
+    first = pl.launch(f, 2, start_method="forkserver", timeout=60)  # may start the server
+    monkeypatch.setenv("PL_FORKSERVER_TEST", "later")
+    monkeypatch.chdir(tmp_path)
+    later = pl.launch(f, 2, start_method="forkserver", timeout=60)  # the same server
+    assert [v[:2] for v in first.values] == [(10, 0.0), (11, 3.0)]
+    assert later.values == [(10, 0.0, "later", str(tmp_path)), (11, 3.0, "later", str(tmp_path))]
+
+
+def test_forkserver_ranks_die_with_the_notebook(tmp_path):
+    """A kernel killed outright: the forkserver sees its pipe close and exits, and the ranks
+    (children of the server, not of the kernel) die with it."""
+    script = tmp_path / "kernel.py"
+    script.write_text(
+        "import os, time\n"
+        "import parallel_lab as pl\n"
+        "def f(ctx):\n"
+        f"    open(os.path.join({str(tmp_path)!r}, f'rank{{ctx.rank}}'), 'w').write(str(os.getpid()))\n"
+        "    time.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    pl.launch(f, 2, start_method='forkserver', timeout=300)\n"
+    )
+    kernel = subprocess.Popen([sys.executable, str(script)], cwd=ROOT)
+    try:
+        deadline = time.time() + 60
+        while not all((tmp_path / f"rank{r}").exists() for r in range(2)) and time.time() < deadline:
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+        kernel.kill()
+        kernel.wait(timeout=10)
+        deadline = time.time() + 10
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            assert time.time() < deadline, f"ranks {pids} outlived the killed kernel"
+            time.sleep(0.1)
+    finally:
+        kernel.kill()
 
 
 def test_rank_that_raises_names_rank_quickly():
@@ -266,7 +321,7 @@ def test_rank_leaving_during_a_collective_is_blamed_not_its_peer(code):
         ({"timeout": 0}, ValueError, "timeout must be a positive number"),
         ({"timeout": -1.5}, ValueError, "timeout must be a positive number"),
         ({"backend": "mpi"}, ValueError, "backend must be one of"),
-        ({"start_method": "forkserver"}, ValueError, "start_method must be one of"),
+        ({"start_method": "fork-server"}, ValueError, "start_method must be one of"),
         ({"threads": 0}, ValueError, "threads must be None or an int >= 1"),
         ({"fn": "not a function"}, TypeError, "fn must be callable"),
     ],

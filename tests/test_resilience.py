@@ -40,7 +40,7 @@ from parallel_lab.resilience import (
 def no_leftovers():
     yield
     left = [c for c in psutil.Process().children(recursive=True)
-            if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline())]  # fmt: skip
+            if c.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(c.cmdline()) for h in ("resource_tracker", "forkserver"))]  # fmt: skip
     assert not left, f"processes left behind: {[c.pid for c in left]}"
 
 

@@ -1,6 +1,6 @@
 """The runtime: how one function runs on N real processes, and what it records.
 
-Every lesson starts here (lesson 00 tours it). `launch` forks (or spawns) one process per
+Every lesson starts here (lesson 00 tours it). `launch` forks (or starts from a forkserver) one process per
 rank from a notebook cell, sets up a torch.distributed process group (gloo on CPU, NCCL with
 one GPU per rank), hands each rank a `Context`, and returns a `RunResult` with every rank's
 return value, the merged timeline and the memory samples. `run_from_env` is the same thing

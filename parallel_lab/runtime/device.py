@@ -6,7 +6,7 @@ two ranks on one GPU); otherwise gloo on CPU.
 
 Counting GPUs must not create a CUDA context here: a notebook kernel that did so (even
 through `torch.cuda.is_available()`, which initialises the driver) can no longer fork a
-rank that uses CUDA, so launches that use NCCL always spawn (see `launch`).
+rank that uses CUDA, so launches that use NCCL never fork (see `launch`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ Invariant: when `launch` returns or raises, no rank process is left alive.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import pickle
@@ -37,7 +38,9 @@ from parallel_lab.runtime.result import RunResult
 #: A launch asks for at most this many ranks: beyond it a laptop thrashes, and
 #: every lesson is written for 1..8.
 MAX_WORLD_SIZE = 64
-START_METHODS = ("auto", "fork", "spawn")
+START_METHODS = ("auto", "fork", "forkserver", "spawn")
+# What the forkserver imports once, so every rank forked from it starts with torch and the lab loaded.
+FORKSERVER_PRELOAD = ["parallel_lab.runtime.launch"]
 
 
 # ---------------------------------------------------------------------------- validation
@@ -100,20 +103,27 @@ def _check_keyword_clash(fn, n_args: int, given: dict[str, Any]) -> None:
 
 
 def choose_start_method(start_method: str, backend: str, threads: int | None) -> str:
-    """fork where it is safe and fast (gloo on Linux, one thread per rank), spawn otherwise.
+    """fork where it is safe and fast (gloo on Linux, one thread per rank); else a forkserver.
 
-    - NCCL: always spawn. A CUDA context does not survive fork, and this process may already
+    - NCCL: never fork. A CUDA context does not survive fork, and this process may already
       have initialised the CUDA driver without `torch.cuda.is_initialized()` saying so (a
       notebook that called `torch.cuda.is_available()`): every forked rank would then fail at
-      its first CUDA call. Spawned ranks get the function by value (cloudpickle).
-    - a CUDA context already here, or not Linux: spawn.
-    - a GPU visible, even for gloo ranks on the CPU: spawn. The first backward in this process
-      starts autograd's per-GPU worker threads (torch/csrc/autograd/engine.cpp), and a child
-      forked after that raises "Unable to handle autograd's threading in combination with
-      fork-based multiprocessing" at its own first backward: a notebook on a one-GPU machine
-      runs more ranks than GPUs on gloo, and would fail there after any backward of its own.
-    - threads > 1: spawn. GNU OpenMP's thread pool does not survive fork, so a forked rank's
-      first multi-threaded op would hang once this process has done threaded math.
+      its first CUDA call.
+    - a CUDA context already here: never fork.
+    - a GPU visible, even for gloo ranks on the CPU: never fork. The first backward in this
+      process starts autograd's per-GPU worker threads (torch/csrc/autograd/engine.cpp), and a
+      child forked after that raises "Unable to handle autograd's threading in combination
+      with fork-based multiprocessing" at its own first backward: a notebook on a one-GPU
+      machine runs more ranks than GPUs on gloo, and would fail there after any backward.
+    - threads > 1: never fork. GNU OpenMP's thread pool does not survive fork, so a forked
+      rank's first multi-threaded op would hang once this process has done threaded math.
+
+    In those cases, on Linux, ranks come from a forkserver: a clean process started once per
+    notebook, which imports torch and the lab and then only forks. It never touches CUDA, runs
+    no backward and no threaded math, so its children are as safe as spawned ones (torch's
+    multiprocessing notes allow CUDA with "spawn" or "forkserver"), but each starts in
+    milliseconds instead of importing torch again (seconds; tens of seconds on a GPU machine).
+    Elsewhere (macOS, Windows): spawn. Functions travel by value (cloudpickle) unless forked.
     """
     can_fork = (
         sys.platform.startswith("linux")
@@ -122,14 +132,18 @@ def choose_start_method(start_method: str, backend: str, threads: int | None) ->
         and backend != "nccl"
     )
     if start_method == "auto":
-        return "fork" if can_fork and (threads is None or threads == 1) else "spawn"
+        if can_fork and (threads is None or threads == 1):
+            return "fork"
+        return "forkserver" if sys.platform.startswith("linux") else "spawn"
     if start_method == "fork" and threads is not None and threads > 1:
         raise ValueError(
-            f"threads={threads} needs start_method='spawn' (or 'auto'): OpenMP thread pools do not survive fork"
+            f"threads={threads} needs start_method='forkserver', 'spawn' or 'auto': OpenMP thread pools "
+            "do not survive fork"
         )
     if start_method == "fork" and backend == "nccl":
         raise ValueError(
-            "start_method='fork' cannot run NCCL ranks (CUDA does not survive fork): use 'auto' or 'spawn'"
+            "start_method='fork' cannot run NCCL ranks (CUDA does not survive fork): use 'auto', 'forkserver' "
+            "or 'spawn'"
         )
     return start_method
 
@@ -219,16 +233,85 @@ def _die_with_parent() -> None:
             pass
 
 
+def _die_with(pid: int) -> None:
+    """Kill this rank when process `pid` (the notebook kernel) exits.
+
+    A forkserver rank's parent is the server, and PR_SET_PDEATHSIG watches the parent only. The
+    server does not die with the kernel while a rank lives: every child it forks holds the pipe
+    whose closing tells the server its client is gone (CPython's multiprocessing/forkserver.py).
+    So the rank watches the kernel itself: a pidfd becomes readable when that process exits.
+    """
+    import signal
+
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel) or the kernel is already gone
+        if not _alive(pid):
+            os.kill(os.getpid(), signal.SIGKILL)
+        fd = None
+
+    def watch() -> None:
+        import select
+
+        if fd is not None:
+            select.select([fd], [], [])  # returns when the process exits
+        else:
+            while _alive(pid):
+                time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parallel_lab-watch-kernel", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Forkserved:
+    """A forkserver rank's payload: the notebook's state now, and the pickled (fn, args, kwargs)."""
+
+    state: tuple[dict[str, str], list[str], str]
+    payload: bytes
+    kernel: int  # the launching process's pid: the rank dies with it
+
+
+def _parent_state() -> tuple[dict[str, str], list[str], str]:
+    """What a rank forked from the forkserver would otherwise take from the server, not from the
+    notebook as it is now: the environment, sys.path and working directory."""
+    return dict(os.environ), list(sys.path), os.getcwd()
+
+
+def _adopt_parent_state(state: tuple[dict[str, str], list[str], str]) -> None:
+    """Variables read when torch was imported (OMP_NUM_THREADS...) keep the server's values; those
+    read later (CUDA_VISIBLE_DEVICES before CUDA starts, NCCL_*, the lab's own) take these."""
+    environ, path, cwd = state
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
+    os.chdir(cwd)
+
+
 def _worker(
     rank, world_size, store_path, backend, t0, seed, threads, timeout, check_shapes, track_memory, q, payload
 ):
     _die_with_parent()
+    if isinstance(payload, _Forkserved):  # the notebook's state first, then the function
+        _die_with(payload.kernel)
+        _adopt_parent_state(payload.state)
+        payload = payload.payload
     os.environ[IN_RANK_ENV] = str(rank)
     sys.stdout = _QueueWriter(q, "stdout", rank)
     sys.stderr = _QueueWriter(q, "stderr", rank)
     sink = None
     try:
-        if isinstance(payload, bytes):  # spawn: the function came by value
+        if isinstance(payload, bytes):  # spawn or forkserver: the function came by value
             import cloudpickle
 
             payload = cloudpickle.loads(payload)
@@ -335,10 +418,15 @@ def launch(
     if start_method == "fork":
         _warm_imports()
     payload: Any = (fn, args, kwargs)
-    if start_method == "spawn":
+    if start_method != "fork":
         import cloudpickle
 
         payload = cloudpickle.dumps(payload)
+    if start_method == "forkserver":
+        # Read only when the server starts (the first forkserver launch of this process).
+        mpctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        # The server was started by an earlier launch: what changed here since must reach the rank.
+        payload = _Forkserved(_parent_state(), payload, os.getpid())
 
     _remove_stale_run_dirs()
     tmpdir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")

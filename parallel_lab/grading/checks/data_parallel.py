@@ -7,7 +7,7 @@ case depends on is drawn afresh every grade run (`draw_seed`): the batch, how ma
 (some rank holding none), how many micro-batches each rank runs and their size. Every gradient must equal the
 gradient of the mean loss over the whole batch, computed in one process, on every rank, to 1e-12 (float64:
 only the order of the sums differs, ~1e-16 relative). Each world size is one launch that runs all its cases
-(on a GPU machine a launch spawns its ranks, which costs seconds).
+(on a GPU machine its ranks come from a forkserver, not forked from the notebook).
 `assign_buckets` is compared with the rule of the lesson applied in the given ready order, on the check's GPT
 (its ready order recorded from a real backward) and on drawn parameter lists, sizes, bucket sizes and
 orders. `ddp_recv_bytes` is compared exactly with the received-bytes counter of `BucketedDDP(comm="ring")`

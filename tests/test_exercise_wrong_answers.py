@@ -45,21 +45,7 @@ class CopyToTP(torch.autograd.Function):
     ("08", "check_block_bytes", "two all-reduces, not four", edit("08", "block_bytes", "return 4 * (", "return 2 * ("), "the rank sent"),
     ("08", "check_block_bytes", "elements, not bytes", edit("08", "block_bytes", "c[(rank + 1) % p]) * itemsize", "c[(rank + 1) % p])"), "the rank sent"),
     ("08", "check_block_bytes", "the lab's formula", "from parallel_lab.tensor_parallel import tp_comm_bytes_per_layer as f\ndef block_bytes(b, s, h, p, rank, itemsize):\n    return f(b, s, h, p, itemsize)\n", "switched off"),
-    # ---- 10 3D
-    ("10", "check_mesh_groups", "wraps the lab's mesh", '''
-from parallel_lab.runtime.parallel_dims import ParallelDims
-def mesh_groups(dp, tp, pp, rank):
-    d = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp)
-    return d.coords(rank), {a: d.groups(a) for a in ("tp", "dp", "pp")}
-''', "switched off"),
-    ("10", "check_mesh_groups", "dp and tp swapped", edit("10", "mesh_groups", '"dp": rank // tp % dp, "tp": rank % tp', '"dp": rank % dp, "tp": rank // dp % tp'), "rank"),
-    ("10", "check_comm_bytes_per_layer", "two all-reduces per layer, not four", edit("10", "comm_bytes_per_layer", '"tp": 4 * ring_all_reduce', '"tp": 2 * ring_all_reduce'), "tp"),
-    ("10", "check_exposed", "perfect overlap", edit("10", "exposed", " + f * min(comm, compute)", ""), "perfect overlap"),
-    ("10", "check_exposed", "f on the whole collective", edit("10", "exposed", "f * min(comm, compute)", "f * comm"), "only the overlapped part"),
-    ("10", "check_exposed", "wraps the lab's law", "from dataclasses import replace\nfrom parallel_lab.costmodel import A100_80GB, exposed_seconds\n"
-     "def exposed(comm, compute, f):\n    return exposed_seconds(replace(A100_80GB, overlap_slowdown=f), comm, compute)\n", "switched off"),
-    ("10", "check_dominant_terms", "ZeRO-3 blamed on memory", edit("10", "dominant_terms", '"A": "dp_comm"', '"A": "memory"'), "biggest loss is 'dp_comm'"),
-    ("10", "check_dominant_terms", "a guess left out", edit("10", "dominant_terms", '"D": "memory"', '"D": None'), "predict layouts ['D']"),
+    # ---- 10 3D: tests/test_exercises_10.py
     # ---- 11 MoE
     ("11", "check_top_k_router", "token-major order", edit("11", "route_top_k", "    for c in range(k):  # first choices of every token before any second choice\n        for t in range(n):",
      "    for t in range(n):\n        for c in range(k):"), "slot"),
@@ -75,7 +61,6 @@ def route_top_k(probs, k, capacity):
     ("11", "check_padded_dispatch_bytes", "the lab's capacity", "from parallel_lab.moe import expert_capacity\ndef padded_dispatch_bytes(n, E, k, f, d, p, i):\n    return (p - 1) * (E // p) * expert_capacity(n, E, f, k) * d * i\n", "switched off"),
     # ---- 12 quantization: tests/test_exercises_12.py
     ("08", "check_row_parallel_linear", "wraps the lab's layer", P + "from parallel_lab.tensor_parallel import RowParallelLinear\nclass RowParallelLinearFn(torch.autograd.Function):\n    apply = staticmethod(lambda x, w, b, ctx, group=None: RowParallelLinear.forward(None, x))\n", "switched off"),
-    ("10", "check_comm_bytes_per_layer", "wraps the lab's formula", "from parallel_lab.tensor_parallel import tp_comm_bytes_per_layer\ndef comm_bytes_per_layer(b, s, h, tp, dp, itemsize=2):\n    return {'tp': tp_comm_bytes_per_layer(b, s, h, tp, itemsize), 'dp': 0}\n", "switched off"),
     ("11", "check_dispatch_combine", "wraps the lab's layer", P + "from parallel_lab.moe import expert_parallel as ep\ndef dispatch_combine(ctx, x, expert_tokens, expert_gates, experts):\n    return ep.ExpertParallelMoE._exact(None, x)\n", "switched off"),
     # ---- 13 fault tolerance: tests/test_exercises_13.py
     # ---- 14 inference: tests/test_exercises_14.py

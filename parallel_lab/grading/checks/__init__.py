@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -160,7 +161,11 @@ def family(
     out: dict[str, str] = {}
     for name in modules:
         try:
-            module = importlib.import_module(name)
+            with (
+                warnings.catch_warnings()
+            ):  # torch.distributed.optim scripts functions on import (deprecated)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                module = importlib.import_module(name)
         except ImportError:
             if missing_ok:
                 continue

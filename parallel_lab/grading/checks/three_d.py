@@ -1,200 +1,245 @@
-"""Checks for lesson 10's exercises: one rank's place on the DP x TP x PP mesh, what each axis sends, and
-where a large run's iteration goes.
+"""Checks for lesson 10's exercises: a rank's place on a mesh of any axes in any order, what a pipeline rank
+sends under interleaving and sequence parallelism, how much of a bucketed gradient all-reduce sticks out
+of the backward, and where four large runs' iterations go.
 
-The mesh check compares the learner's coordinates and groups with `ParallelDims` on
-every rank of every mesh with dp, tp, pp in 1..4 (at most 32 ranks), and recognises
-the usual slip of numbering TP outermost. The bytes check compares with the lab's
-formulas: TP with `tensor_parallel.transformer.tp_comm_bytes_per_layer` (4 ring all-reduces of
-b·s·h per layer, forward + backward), DP with `costmodel.allreduce_bytes_per_rank` on
-the rank's share of a layer's 12h² weight gradients (lesson 10, section 2), on many
-sizes including GPT-3's layer. The overlap check compares the learner's exposed time with the
-planner's law, max(0, comm - compute) + f·min(comm, compute), on a grid of cases; the prediction check
-compares the learner's four guesses with the planner's breakdown of four published-scale layouts, and
-shows the breakdown when a guess is wrong.
+`check_mesh_groups(fn)`: `fn(sizes, order, rank)` on meshes of 1-5 named axes drawn afresh every grade run
+(names, sizes and their order), every rank of small meshes and 24 ranks of big ones, against the row-major
+layout `torch.arange(n).reshape(shape)` that DeviceMesh uses (the first name outermost). torch's device
+mesh and the lab's ParallelDims are switched off.
+
+`check_pp_bytes(fn)`: `fn(b, s, h, stages, chunks, microbatches, tp, rank, itemsize)` against the bytes of the
+SEND steps on that rank of the lab's interleaved 1F1B instruction lists (lesson 09), each an activation or a
+gradient of (b, s/tp, h): under sequence parallelism a TP rank holds only its slice of the sequence at a
+stage boundary. Drawn sizes every run; the pipeline family and the planner are switched off.
+
+`check_exposed_buckets(fn)`: `fn(ready, comm, backward_end)` against a one-stream queue (bucket i's
+all-reduce starts when its gradients are ready and the previous all-reduce is done) on drawn bucket lists.
+
+`check_dominant_terms(fn)`: `fn()` -> the biggest non-matmul term of four layouts the lesson does not plot,
+against the planner; the planner is switched off while `fn` runs, so the prediction is the learner's.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Callable
 
-from parallel_lab.grading.checks import draw_seed, family, guarded, passed, require_callable
+from parallel_lab.grading.checks import call_learner, draw_seed, family, guarded, passed, require_callable
 
-# The lab's mesh and its byte formulas, and torch's device mesh, switched off while the learner's
-# function runs.
-FORBIDDEN = {
+MESH_FORBIDDEN = {
     **family("parallel_lab.runtime.parallel_dims"),
-    **family("parallel_lab.costmodel.formulas"),
-    "parallel_lab.tensor_parallel.transformer.tp_comm_bytes_per_layer": "",
-    "torch.distributed.device_mesh.init_device_mesh": "",
+    **family("torch.distributed.device_mesh"),
+    **family("torch.distributed._mesh_layout", missing_ok=True),
 }
+PP_FORBIDDEN = {
+    **family("parallel_lab.pipeline.schedules", "parallel_lab.pipeline.simulator"),
+    **family("parallel_lab.costmodel.formulas", "parallel_lab.costmodel.planner"),
+}
+#: torch's pipeline schedules, imported only when the check runs (importing them costs a second)
+TORCH_PP_MODULES = (
+    "torch.distributed.pipelining.schedules",
+    "torch.distributed.pipelining._schedule_visualizer",
+)
+EXPOSED_FORBIDDEN = {**family("parallel_lab.costmodel.timing")}
+PLANNER_FORBIDDEN = {**family("parallel_lab.costmodel.planner", "parallel_lab.costmodel.timing",
+                              "parallel_lab.costmodel.formulas")}  # fmt: skip
 
-__all__ = ["check_comm_bytes_per_layer", "check_dominant_terms", "check_exposed", "check_mesh_groups"]
+__all__ = ["check_dominant_terms", "check_exposed_buckets", "check_mesh_groups", "check_pp_bytes"]
 
-AXES = ("pp", "dp", "tp")
-_MESHES = [(d, t, p) for d in (1, 2, 3, 4) for t in (1, 2, 3, 4) for p in (1, 2, 3, 4) if d * t * p <= 32]
-
-
-def _tp_outermost(dp: int, tp: int, pp: int, rank: int) -> tuple[dict[str, int], dict[str, list[int]]]:
-    """Coordinates and groups under the reversed order (TP outermost, PP innermost), to name that slip."""
-    sizes = {"pp": pp, "dp": dp, "tp": tp}
-    coords = {"pp": rank % pp, "dp": rank // pp % dp, "tp": rank // (pp * dp)}
-    at = lambda c: (c["tp"] * dp + c["dp"]) * pp + c["pp"]
-    return coords, {a: [at({**coords, a: k}) for k in range(sizes[a])] for a in AXES}
+_NAMES = ("pp", "dp", "cp", "tp", "ep")
 
 
-_SLIP = " That numbering puts TP outermost; the lab puts TP innermost (a TP group's ranks are neighbours)."
+# ----------------------------------------------------------------------------- exercise 1: the mesh
+def _mesh_reference(sizes: dict[str, int], order: tuple[str, ...], rank: int):
+    """Row-major: the last axis of `order` changes fastest (what torch.arange(n).reshape(shape) gives)."""
+    stride, strides = 1, {}
+    for axis in reversed(order):
+        strides[axis] = stride
+        stride *= sizes[axis]
+    coords = {a: rank // strides[a] % sizes[a] for a in order}
+    groups = {a: [rank + (k - coords[a]) * strides[a] for k in range(sizes[a])] for a in order}
+    return coords, groups
 
 
-def check_mesh_groups(fn: Callable[[int, int, int, int], tuple]) -> None:
-    """`fn(dp, tp, pp, rank)` -> ({"pp", "dp", "tp"} coordinates, {"pp", "dp", "tp"} group ranks)."""
+def _meshes(rnd: random.Random) -> list[tuple[dict[str, int], tuple[str, ...]]]:
+    fixed = [
+        ({"tp": 4}, ("tp",)),  # one axis: everybody in one group
+        ({"pp": 1, "dp": 3, "tp": 1}, ("pp", "dp", "tp")),  # size-1 axes
+        ({"pp": 2, "dp": 2, "tp": 2}, ("tp", "dp", "pp")),  # the lesson's sizes, the order reversed
+    ]
+    drawn = []
+    for n_axes in (2, 3, 4, 4, 5):
+        names = rnd.sample(_NAMES, n_axes)
+        sizes = {a: rnd.randint(1, 4) for a in names}
+        sizes[rnd.choice(names)] = rnd.randint(2, 5)
+        drawn.append((sizes, tuple(rnd.sample(names, n_axes))))  # the order differs from the dict's
+    return fixed + drawn
+
+
+def check_mesh_groups(fn: Callable[..., tuple]) -> None:
+    """`fn(sizes, order, rank)` -> (coords {axis: coordinate}, groups {axis: ranks of this rank's group})."""
     require_callable(fn)
-    fn = guarded(fn, FORBIDDEN, "this exercise (mesh_groups)")
-    import random
-
-    from parallel_lab.runtime.parallel_dims import ParallelDims
-
-    rnd = random.Random(draw_seed())  # plus three bigger meshes and their ranks, drawn afresh every grade run
-    drawn = [
-        (rnd.randint(3, 9), rnd.randint(3, 9), rnd.randint(5, 9)) for _ in range(3)
-    ]  # >= 45 ranks: 32 sampled
-    ranks = 0
-    for dp, tp, pp in (*_MESHES, *drawn):
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp)
-        picked = range(dims.size) if dims.size <= 32 else sorted(rnd.sample(range(dims.size), 32))
+    fn = guarded(fn, MESH_FORBIDDEN, "this exercise (mesh_groups)")
+    rnd = random.Random(draw_seed())  # axis names, sizes and orders drawn afresh every grade run
+    meshes = _meshes(rnd)
+    for sizes, order in meshes:
+        n = math.prod(sizes.values())
+        picked = range(n) if n <= 48 else sorted(rnd.sample(range(n), 24))
         for rank in picked:
-            where = f"mesh_groups(dp={dp}, tp={tp}, pp={pp}, rank={rank})"
-            got = fn(dp, tp, pp, rank)
+            where = f"mesh_groups(sizes={sizes}, order={order}, rank={rank})"
+            got = call_learner(fn, where, dict(sizes), tuple(order), rank)
             ok = isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(x, dict) for x in got)
-            assert ok, f"{where}: return (coords, groups), two dicts keyed 'pp', 'dp', 'tp'; got {got!r}"
+            assert ok, f"{where}: return (coords, groups), two dicts keyed by the axis names; got {got!r}"
             coords, groups = got
-            want, (slip_coords, slip_groups) = dims.coords(rank), _tp_outermost(dp, tp, pp, rank)
-            if {k: coords.get(k) for k in AXES} != want:
-                hint = _SLIP if coords == slip_coords else ""
-                raise AssertionError(
-                    f"{where}: coords {coords}, expected {want}. "
-                    f"rank = (pp_rank * dp + dp_rank) * tp + tp_rank.{hint}"
-                )
-            for axis in ("tp", "dp", "pp"):
-                g, want_g = groups.get(axis), dims.group_of(axis, rank)
-                if not (isinstance(g, (list, tuple)) and list(g) == want_g):
-                    hint = _SLIP if isinstance(g, (list, tuple)) and list(g) == slip_groups[axis] else ""
+            want_c, want_g = _mesh_reference(sizes, order, rank)
+            got_c = {a: coords.get(a) for a in order}
+            if got_c != want_c:
+                flipped, _ = _mesh_reference(sizes, tuple(reversed(order)), rank)
+                hint = (" Those are the coordinates with the order reversed: the FIRST name of `order` is the "
+                        "outermost axis (it changes slowest as the rank grows)." if got_c == flipped else "")  # fmt: skip
+                raise AssertionError(f"{where}: coords {got_c}, expected {want_c}.{hint}")
+            for axis in order:
+                g = groups.get(axis)
+                g = list(g) if isinstance(g, (list, tuple, range)) else g
+                if g != want_g[axis]:
+                    _, flipped = _mesh_reference(sizes, tuple(reversed(order)), rank)
+                    hint = (" That is the group with the order reversed: the FIRST name of `order` is the outermost "
+                            "axis." if g == flipped[axis] else "")  # fmt: skip
                     raise AssertionError(
-                        f"{where}: {axis} group {g!r}, expected {want_g} (the ranks that differ from rank "
-                        f"{rank} only in their {axis} coordinate, ordered by it).{hint}"
+                        f"{where}: {axis} group {g!r}, expected {want_g[axis]} (the ranks whose other coordinates "
+                        f"equal rank {rank}'s, ordered by their {axis} coordinate).{hint}"
                     )
-            ranks += 1
-    passed("check_mesh_groups", f"{len(_MESHES) + len(drawn)} meshes, {ranks} ranks")
+    passed("check_mesh_groups", f"{len(meshes)} meshes of 1 to 5 axes in drawn orders")
 
 
-def check_comm_bytes_per_layer(fn: Callable[..., dict]) -> None:
-    """`fn(b, s, h, tp, dp, itemsize=2)` -> {"tp": bytes per micro-batch, "dp": bytes per step}, one rank, one layer."""
+# ----------------------------------------------------------------------------- exercise 2: pipeline bytes
+def _pp_reference(b: int, s: int, h: int, p: int, v: int, m: int, tp: int, rank: int, item: int) -> int:
+    """Bytes of the SEND steps on `rank` in the lab's interleaved 1F1B lists (v = 1: plain 1F1B)."""
+    from parallel_lab.pipeline import schedule_interleaved_1f1b
+
+    sends = sum(st.kind in ("SEND_F", "SEND_B") for st in schedule_interleaved_1f1b(p, m, v)[rank])
+    return sends * b * (s // tp) * h * item
+
+
+def check_pp_bytes(fn: Callable[..., float]) -> None:
+    """`fn(b, s, h, stages, chunks, microbatches, tp, rank, itemsize)` -> bytes `rank` sends to other pipeline
+    ranks in one step (activations forward, gradients back), under sequence parallelism."""
     require_callable(fn)
-    fn = guarded(fn, FORBIDDEN, "this exercise (comm_bytes_per_layer)")
-    from parallel_lab.costmodel import GPT3, allreduce_bytes_per_rank
-    from parallel_lab.tensor_parallel import tp_comm_bytes_per_layer
-
-    cases = [
-        (b, s, h, tp, dp, item)
-        for b, s, h in ((1, 128, 256), (2, 512, 1024), (4, 1024, 4096), (1, GPT3.seq, GPT3.hidden))
-        for tp in (1, 2, 4, 8)
-        for dp in (1, 2, 3, 8, 64)
-        for item in (2, 4)
-    ]
-    import random
-
-    rnd = random.Random(draw_seed())  # and eight cases drawn afresh every grade run (tp divides b*s*h)
-    for _ in range(8):
-        tp = rnd.choice((1, 2, 4, 8))
-        cases.append((rnd.randint(1, 8), 64 * rnd.randint(1, 32), 128 * rnd.randint(1, 64), tp, rnd.randint(1, 96),
-                      rnd.choice((2, 4))))  # fmt: skip
-    for b, s, h, tp, dp, item in cases:
-        where = f"comm_bytes_per_layer(b={b}, s={s}, h={h}, tp={tp}, dp={dp}, itemsize={item})"
-        got = fn(b, s, h, tp, dp, itemsize=item)
-        assert isinstance(got, dict) and {"tp", "dp"} <= set(got), (
-            f"{where}: return a dict with keys 'tp' and 'dp', got {got!r}"
+    fn = guarded(
+        fn, {**PP_FORBIDDEN, **family(*TORCH_PP_MODULES, missing_ok=True)}, "this exercise (pp_bytes)"
+    )
+    rnd = random.Random(draw_seed())  # shapes and pipelines drawn afresh every grade run
+    cases = [(1, 8, 4, 2, 1, 2, 1, r, 4) for r in range(2)] + [(2, 16, 8, 4, 2, 4, 2, r, 2) for r in range(4)]
+    for _ in range(6):
+        p, v, tp = rnd.randint(2, 6), rnd.randint(1, 4), rnd.choice((1, 2, 4, 8))
+        m = p * rnd.randint(1, 3)
+        shape = (rnd.randint(1, 4), tp * rnd.randint(1, 64), 64 * rnd.randint(1, 32))
+        for rank in sorted({0, p - 1, rnd.randrange(p)}):
+            cases.append((*shape, p, v, m, tp, rank, rnd.choice((2, 4))))
+    for b, s, h, p, v, m, tp, rank, item in cases:
+        where = (f"pp_bytes(b={b}, s={s}, h={h}, stages={p}, chunks={v}, microbatches={m}, tp={tp}, rank={rank}, "
+                 f"itemsize={item})")  # fmt: skip
+        got = call_learner(fn, where, b, s, h, p, v, m, tp, rank, item)
+        assert isinstance(got, (int, float)) and not isinstance(got, bool), (
+            f"{where} must return a number of bytes, got {type(got).__name__}"
         )
-        # tp divides b*s*h in every case, so every TP rank sends the same; rank 0 speaks for all
-        want = {"tp": tp_comm_bytes_per_layer(b, s, h, tp, item)[0],
-                "dp": allreduce_bytes_per_rank(12 * h * h // tp * item, dp)}  # fmt: skip
-        for axis, hints in (
-            ("tp", {8 * b * s * h * item: "that is the all-reduces' volume: on a ring each rank sends (t-1)/t of it.",
-                    want["tp"] / item: "that is elements; the exercise asks for bytes (times itemsize)."}),
-            ("dp", {want["dp"] / 2: "an all-reduce is a reduce-scatter plus an all-gather: 2(d-1)/d of the input.",
-                    want["dp"] * tp: "each DP group all-reduces one TP shard: 12h^2/t weights per rank."}),
-        ):  # fmt: skip
-            g = got[axis]
-            assert isinstance(g, (int, float)) and not isinstance(g, bool), (
-                f"{where}['{axis}'] must be a number, got {type(g).__name__}"
-            )
-            if abs(g - want[axis]) > 1e-9 * max(1.0, want[axis]):
-                hint = next((t for v, t in hints.items() if abs(g - v) <= 1e-9 * max(1.0, v)), "")
-                raise AssertionError(f"{where}['{axis}'] is {g!r}, expected {want[axis]!r}. {hint}".rstrip())
-    assert fn(1, 2048, 4096, 2, 2) == fn(1, 2048, 4096, 2, 2, itemsize=2), "itemsize defaults to 2 (16-bit)"
-    passed("check_comm_bytes_per_layer", f"{len(cases)} cases, GPT-3's layer among them")
+        want = _pp_reference(b, s, h, p, v, m, tp, rank, item)
+        if abs(got - want) > 1e-9 * max(1, want):
+            unit = b * (s // tp) * h * item
+            slips = [
+                (want * tp, "each TP rank sends only its slice of the sequence, not the whole activation."),
+                (want / item, "that is elements; the exercise asks for bytes."),
+                (2 * m * v * unit, "that counts a message in both directions for every chunk on every rank: look "
+                 "at which chunks have no neighbour on one side."),
+                (m * (p * v - 1) * 2 * unit / p, "that is the pipeline's messages shared out evenly: ranks differ."),
+            ]  # fmt: skip
+            vs = [c * p + rank for c in range(v)]
+            one_way = [m * sum(x < p * v - 1 for x in vs) * unit, m * sum(x > 0 for x in vs) * unit]
+            hint = next((t for x, t in slips if abs(got - x) <= 1e-9 * max(1, x)), "")
+            if not hint and any(abs(got - x) <= 1e-9 * max(1, x) for x in one_way):
+                hint = "that counts one direction only: activations go forward and gradients come back."
+            raise AssertionError(f"{where} is {got!r}, expected {want!r}. {hint}".rstrip())
+    passed("check_pp_bytes", "first, middle and last ranks of 8 pipelines")
 
 
-def check_exposed(fn: Callable[[float, float, float], float]) -> None:
-    """`fn(comm, compute, f)` -> seconds a collective of `comm` seconds adds beside `compute` seconds of work."""
+# ----------------------------------------------------------------------------- exercise 3: buckets
+def _queue(ready: list[float], comm: list[float], backward_end: float) -> float:
+    done = 0.0
+    for r, c in zip(ready, comm, strict=True):
+        done = max(done, r) + c  # one stream: a bucket waits for its gradients and for the previous bucket
+    return max(0.0, done - backward_end)
+
+
+def check_exposed_buckets(fn: Callable[..., float]) -> None:
+    """`fn(ready, comm, backward_end)` -> seconds the bucketed all-reduces run past the end of the backward."""
     require_callable(fn)
-    fn = guarded(fn, {**family("parallel_lab.costmodel.timing")}, "this exercise (exposed)")
-    grid = (0.0, 0.5, 1.0, 2.0, 5.0)
-    cases = [(c, k, f) for c in grid for k in grid for f in (0.0, 0.15, 0.5)]
-    import random
-
-    rnd = random.Random(draw_seed())  # and ten drawn afresh every grade run
-    cases += [
-        (round(rnd.uniform(0, 9), 3), round(rnd.uniform(0, 9), 3), round(rnd.random(), 3)) for _ in range(10)
+    fn = guarded(fn, EXPOSED_FORBIDDEN, "this exercise (exposed_after_backward)")
+    rnd = random.Random(draw_seed())  # bucket lists drawn afresh every grade run
+    cases = [
+        ([], [], 5.0),  # no buckets
+        ([2.0], [1.0], 5.0),  # hidden
+        ([5.0, 5.0], [1.0, 2.0], 5.0),  # everything ready at the end: no overlap
+        ([0.0, 0.0, 0.0], [2.0, 2.0, 2.0], 3.0),  # ready at once: one queue
     ]
-    for comm, compute, f in cases:
-        where = f"exposed(comm={comm}, compute={compute}, f={f})"
-        got = fn(comm, compute, f)
+    for n in (1, 3, 6, 10, 10, 16):
+        end = round(rnd.uniform(1, 10), 3)
+        ready = sorted(round(rnd.uniform(0, end), 3) for _ in range(n))
+        scale = rnd.choice((0.2, 1.0, 3.0)) * end / n
+        cases.append((ready, [round(rnd.uniform(0.1, 2) * scale, 3) for _ in range(n)], end))
+    for ready, comm, end in cases:
+        where = f"exposed_after_backward(ready={ready}, comm={comm}, backward_end={end})"
+        got = call_learner(fn, where, list(ready), list(comm), end)
         assert isinstance(got, (int, float)) and not isinstance(got, bool), (
             f"{where} must return a number of seconds, got {type(got).__name__}"
         )
-        want = max(0.0, comm - compute) + f * min(comm, compute)
-        if abs(got - want) > 1e-12:
-            perfect = max(0.0, comm - compute)
+        want = _queue(ready, comm, end)
+        if abs(got - want) > 1e-9:
             slips = [
-                (perfect, "that is perfect overlap; while both run, each is slowed by f, so the overlapped part, "
-                 "min(comm, compute), costs f of itself."),
-                (comm, "that is no overlap at all: the collective runs beside the compute."),
-                (perfect + f * comm, "only the overlapped part pays f: f·min(comm, compute), not f·comm."),
-                (max(comm - compute, f * comm), "f applies to the overlapped part, min(comm, compute), and adds to "
-                 "what sticks out, max(0, comm - compute)."),
+                (max(0.0, sum(comm) - (end - (ready[0] if ready else 0.0))),
+                 "that assumes every all-reduce can start as soon as the first bucket is ready; a bucket's cannot "
+                 "start before its own gradients exist."),
+                (max([0.0] + [r + c - end for r, c in zip(ready, comm)]),
+                 "that runs the all-reduces side by side; they share one stream and run one after the other."),
+                (comm[-1] if comm else 0.0, "the last bucket is not the only one that can stick out: a queue can "
+                 "still be draining when its gradients are ready."),
             ]  # fmt: skip
-            hint = next((t for v, t in slips if abs(got - v) <= 1e-12), "")
+            hint = next((t for x, t in slips if abs(got - x) <= 1e-9), "")
             raise AssertionError(f"{where} is {got!r}, expected {want!r}. {hint}".rstrip())
-    passed("check_exposed", f"{len(cases)} cases")
+    passed("check_exposed_buckets", f"{len(cases)} bucket lists")
 
 
-#: The four layouts of exercise 3: (description, planner arguments). Every one on DGX A100 80GB nodes.
+# ----------------------------------------------------------------------------- exercise 4: predictions
+#: The four layouts: (description, planner arguments), on DGX A100 80GB nodes, full recomputation.
 LAYOUTS = {
-    "A": ("GPT-3 175B, ZeRO-3 without model parallelism, 1536 GPUs, micro-batch 1", "zero3"),
-    "B": ("GPT 530B, tp 8, pp 35, dp 8 on 2240 GPUs, 280 micro-batches of 1", "ptdp530"),
-    "C": ("GPT-3 175B, tp 16 (two nodes), pp 12, dp 2 on 384 GPUs", "tp16"),
-    "D": ("GPT 1.7B, data parallel on 32 GPUs, micro-batch 16", "small"),
+    "A": ("GPT 1.7B under ZeRO-3 on 256 GPUs, global batch 512, micro-batch 2", "zero3_small"),
+    "B": ("GPT-3 175B with tp 8, pp 48, dp 4 on 1536 GPUs, global batch 96, micro-batch 1", "deep_pp"),
+    "C": ("GPT-3 175B with tp 16 (two nodes), pp 12, dp 2 on 384 GPUs, global batch 1536", "tp16"),
+    "D": ("GPT 1.7B with pp 8, dp 4 on 32 GPUs, global batch 512, micro-batch 1", "pp_small"),
 }
 TERMS = ("memory", "bubble", "tp_comm", "pp_comm", "dp_comm")
 
 
 def _plan(key: str):
-    from parallel_lab.costmodel import GPT3_175B, GPT_530B, ClusterSpec, evaluate
-    from parallel_lab.costmodel import GPT_1_7B as small
+    from parallel_lab.costmodel import GPT3_175B, GPT_1_7B, ClusterSpec, evaluate
 
-    args = {
-        "zero3": (GPT3_175B, 1536, 1536, 1, 1, 3, 1536, 1),
-        "ptdp530": (GPT_530B, 2240, 8, 8, 35, 1, 2240, 1),
+    model, gpus, dp, tp, pp, zero, batch, micro = {
+        "zero3_small": (GPT_1_7B, 256, 256, 1, 1, 3, 512, 2),
+        "deep_pp": (GPT3_175B, 1536, 4, 8, 48, 1, 96, 1),
         "tp16": (GPT3_175B, 384, 2, 16, 12, 1, 1536, 1),
-        "small": (small, 32, 32, 1, 1, 1, 512, 16),
+        "pp_small": (GPT_1_7B, 32, 4, 1, 8, 1, 512, 1),
     }[key]
-    model, gpus, dp, tp, pp, zero, batch, micro = args
     return evaluate(model, ClusterSpec(gpus), dp, tp, pp, zero, True, batch, micro)
 
 
-def check_dominant_terms(predictions: dict) -> None:
-    """`predictions` maps "A".."D" to the term you expect to cost the most after the matmuls themselves."""
+def check_dominant_terms(fn: Callable[[], dict]) -> None:
+    """`fn()` -> {"A".."D": the term expected to cost the most after the matmuls themselves}."""
+    require_callable(fn)
+    predictions = call_learner(
+        guarded(fn, PLANNER_FORBIDDEN, "this prediction (dominant_terms)"), "dominant_terms()"
+    )
     assert isinstance(predictions, dict), (
-        f"predictions must be a dict keyed 'A'..'D', got {type(predictions).__name__}"
+        f"dominant_terms() must return a dict keyed 'A'..'D', got {type(predictions).__name__}"
     )
     missing = [k for k in LAYOUTS if predictions.get(k) not in TERMS]
     assert not missing, (

@@ -1,26 +1,34 @@
-"""Checks for lesson 11's exercises: a top-k router with capacity; dispatch and combine by all-to-all.
+"""Checks for lesson 11's exercises: routing in local groups, a top-2 dispatch that sends a token once per
+rank, and the rows such a dispatch sends on average.
 
-`route_top_k(probs, k, capacity) -> (experts, slots)` is compared with the lab's
-router on router probabilities with overflow: experts (N, k) are each token's k
-best experts, slots (N, k) the slot each choice got in its expert, -1 when dropped,
-with slots given first come first served, all first choices before any second one.
+`check_route_groups(fn)`: `fn(probs, k, groups, capacity_factor)` -> (experts (N, k), slots (N, k), -1 =
+dropped) against the lesson's priority rule (every first choice before any second, in token order) applied in
+each of `groups` contiguous groups of tokens, each with its own capacity ceil(k · factor · group size / E) and
+its own slots; router probabilities, group counts and factors drawn afresh every grade run.
 
-`dispatch_combine(ctx, x, expert_tokens, expert_gates, experts)` runs on 1, 2 and 4
-ranks; each rank holds only its own experts, so the tokens must travel. The
-result is compared with the same layer computed in one process; built-in
-collectives other than all-to-all are refused.
+`check_dispatch_top2(fn)`: `fn(ctx, x, expert_ids, gates, experts)` on 2, 3 and 4 gloo ranks (one launch per
+world size), each rank holding a different number of tokens (drawn; some rank none), top-2, no capacity: the
+output must equal sum_c gates[t, c] * expert_{ids[t, c]}(x[t]) computed in one process (float64), and the
+bytes the rank sends through the lab's comms must be those of one row per (token, other rank holding one of
+its experts) each way, plus a small allowance for counts, expert ids and gates.
+
+`check_expected_rows(fn)`: `fn(experts, ranks, k)` -> the expected number of rows one token sends to other ranks
+in that dispatch when its k experts are a uniform draw without replacement, exact against an enumeration of
+every k-subset, on drawn (E, p, k).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import itertools
+import math
+import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from parallel_lab.grading.checks import (
+    call_learner,
     draw_seed,
     family,
     guarded,
@@ -31,242 +39,229 @@ from parallel_lab.grading.checks import (
     unavailable,
 )
 
-# The lab's router and expert-parallel layer, switched off while the learner's code runs
-# (parallel_lab.comms' all-to-all stays: the exercise is built from it).
-FORBIDDEN = family("parallel_lab.moe.routing", "parallel_lab.moe.expert_parallel")
+# The lab's router and expert-parallel layer, switched off while the learner's code runs; the lab's
+# variable-size exchange (all_to_all_v, exchange) stays: exercise 2 is about what to send, not how.
+FORBIDDEN = {
+    **family("parallel_lab.moe.routing"),
+    **family("parallel_lab.moe.expert_parallel", keep=("all_to_all_v", "exchange", "_AllToAll")),
+    # and this module's own references
+    **{
+        f"parallel_lab.grading.checks.moe.{n}": ""
+        for n in ("_slots_in_group", "_group_reference", "_expected_rows")
+    },
+}
 
-__all__ = ["check_dispatch_combine", "check_padded_dispatch_bytes", "check_top_k_router"]
+__all__ = ["check_dispatch_top2", "check_expected_rows", "check_route_groups"]
 
 
-def _reference_slots(probs: torch.Tensor, k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from parallel_lab.moe import assign_slots
-
+# ----------------------------------------------------------------------------- exercise 1: local groups
+def _slots_in_group(probs: torch.Tensor, k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lesson's rule on one group: choice-major priority, first come first served."""
     n, E = probs.shape
-    _, top_e = probs.topk(k, dim=-1)  # (N, k)
-    ids, toks = top_e.T.reshape(-1), torch.arange(n).repeat(k)  # choice-major priority
-    expert_tokens, _, counts, _ = assign_slots(ids, toks, torch.ones(n * k), E, capacity)
+    top = probs.topk(k, dim=-1).indices  # (n, k)
     slots = torch.full((n, k), -1, dtype=torch.long)
-    for e in range(E):
-        for s in range(int(counts[e])):
-            t = int(expert_tokens[e, s])
-            slots[t, int((top_e[t] == e).nonzero())] = s
-    return top_e, slots
+    used = [0] * E
+    for c in range(k):
+        for t in range(n):
+            e = int(top[t, c])
+            if used[e] < capacity:
+                slots[t, c], used[e] = used[e], used[e] + 1
+    return top, slots
 
 
-def _router_cases() -> list[tuple[str, torch.Tensor, int, int]]:
-    g = torch.Generator().manual_seed(draw_seed())  # router probabilities drawn afresh every grade run
-
-    def probs(n, e, sharp=3.0):
-        return (torch.randn(n, e, generator=g) * sharp).softmax(-1)
-
-    return [
-        ("Switch top-1, 12 tokens, 4 experts, capacity 3", probs(12, 4), 1, 3),
-        ("top-1, capacity 1 (most tokens dropped)", probs(10, 3), 1, 1),
-        ("top-2, 16 tokens, 4 experts, capacity 6", probs(16, 4), 2, 6),
-        ("top-2, capacity 32 (nothing dropped)", probs(16, 4), 2, 32),
-        ("top-3 of 5 experts, capacity 4", probs(9, 5), 3, 4),
-    ]
+def _group_reference(probs: torch.Tensor, k: int, groups: int, factor: float):
+    n, E = probs.shape
+    size = n // groups
+    capacity = math.ceil(k * factor * size / E)
+    parts = [_slots_in_group(probs[g * size : (g + 1) * size], k, capacity) for g in range(groups)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def check_top_k_router(route_top_k: Callable) -> None:
-    """`route_top_k(probs, k, capacity)` -> (experts (N, k), slots (N, k), -1 = dropped)."""
-    require_callable(route_top_k, "route_top_k")
-    route_top_k = guarded(route_top_k, FORBIDDEN, "this exercise (route_top_k)")
-    cases = _router_cases()
-    for name, probs, k, capacity in cases:
-        where = f"case {name!r}"
-        out = route_top_k(probs.clone(), k, capacity)
+def _group_cases(rnd: random.Random, g: torch.Generator) -> list[tuple[torch.Tensor, int, int, float]]:
+    def probs(n: int, e: int, skew: float) -> torch.Tensor:
+        logits = torch.randn(n, e, generator=g, dtype=torch.float64) * 2
+        logits[:, rnd.randrange(e)] += skew  # one favoured expert, so capacity matters
+        return logits.softmax(-1)
+
+    cases = [(probs(12, 4, 1.0), 1, 1, 1.0), (probs(8, 4, 1.0), 2, 8, 1.0)]  # one group; one token per group
+    for _ in range(5):
+        groups, size, e = rnd.choice((2, 3, 4)), rnd.randint(3, 12), rnd.choice((4, 6, 8))
+        cases.append((probs(groups * size, e, rnd.uniform(0, 3)), rnd.choice((1, 2)), groups,
+                      rnd.choice((0.5, 1.0, 1.25, 1.5, 2.0))))  # fmt: skip
+    return cases
+
+
+def check_route_groups(fn: Callable) -> None:
+    """`fn(probs, k, groups, capacity_factor)` -> (experts (N, k), slots (N, k)), -1 = dropped."""
+    require_callable(fn, "route_groups")
+    fn = guarded(fn, FORBIDDEN, "this exercise (route_groups)")
+    rnd = random.Random(draw_seed())  # probabilities, groups and factors drawn afresh every grade run
+    g = torch.Generator().manual_seed(rnd.randrange(2**31))
+    for probs, k, groups, factor in _group_cases(rnd, g):
+        n, E = probs.shape
+        where = f"route_groups(probs of {n} tokens x {E} experts, k={k}, groups={groups}, capacity_factor={factor})"
+        out = call_learner(fn, where, probs.clone(), k, groups, factor)
         assert isinstance(out, (tuple, list)) and len(out) == 2, (
-            f"{where}: return (experts, slots), got {type(out).__name__}"
+            f"{where}: return (experts, slots), got {out!r}"
         )
-        experts, slots = (torch.as_tensor(o) for o in out)
-        want_e, want_s = _reference_slots(probs, k, capacity)
-        n = probs.shape[0]
+        experts, slots = (torch.as_tensor(o).long() for o in out)
+        want_e, want_s = _group_reference(probs, k, groups, factor)
         for what, got in (("experts", experts), ("slots", slots)):
             assert tuple(got.shape) == (n, k), (
                 f"{where}: {what} has shape {tuple(got.shape)}, expected {(n, k)}"
             )
-        bad = (experts.long() != want_e).nonzero()
+        bad = (experts != want_e).nonzero()
         if len(bad):
             t, c = bad[0].tolist()
-            raise AssertionError(
-                f"{where}: token {t}, choice {c}: expert {int(experts[t, c])}, expected {int(want_e[t, c])} "
-                "(choice c is the token's (c+1)-th most probable expert)"
-            )
-        bad = (slots.long() != want_s).nonzero()
+            raise AssertionError(f"{where}: token {t}, choice {c}: expert {int(experts[t, c])}, expected "
+                                 f"{int(want_e[t, c])} (choice c is the token's (c+1)-th most probable expert)")  # fmt: skip
+        bad = (slots != want_s).nonzero()
         if len(bad):
             t, c = bad[0].tolist()
+            size = n // groups
+            whole = _group_reference(probs, k, 1, factor)[1]
+            hint = ""
+            if torch.equal(slots, whole):
+                hint = (
+                    " That is one group of all the tokens: each group has its own capacity and its own slots."
+                )
+            elif int(slots.max()) >= math.ceil(k * factor * size / E):
+                hint = " A slot number is past this group's capacity: the capacity comes from the group's tokens."
             raise AssertionError(
-                f"{where}: token {t}, choice {c} (expert {int(want_e[t, c])}): slot {int(slots[t, c])}, expected "
-                f"{int(want_s[t, c])}. Slots are handed out first come first served in token order, all first "
-                "choices before any second choice; a choice finding its expert's capacity full gets -1 (dropped)"
+                f"{where}: token {t} (group {t // size}), choice {c} (expert {int(want_e[t, c])}): slot "
+                f"{int(slots[t, c])}, expected {int(want_s[t, c])}.{hint}"
             )
-        per_expert = torch.bincount(want_e.flatten(), minlength=probs.shape[1])
-        dropped = int((slots < 0).sum())
-        assert dropped == int((per_expert - capacity).clamp(min=0).sum())  # the capacity formula
-    passed("check_top_k_router", f"{len(cases)} routings with capacity match")
+    passed("check_route_groups", "7 routings in local groups")
 
 
-# ----------------------------------------------------------------------------- dispatch / combine
-_FORBIDDEN = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "broadcast",
-    "gather",
-    "scatter",
-    "reduce",
-)
-
-
-@contextlib.contextmanager
-def _only_all_to_all() -> Iterator[None]:
-    saved = {name: getattr(dist, name) for name in _FORBIDDEN if hasattr(dist, name)}
-
-    def refuse(name):
-        def call(*args, **kwargs):
-            raise AssertionError(
-                f"your function called torch.distributed.{name}: move the tokens with an all-to-all "
-                "(parallel_lab.comms.all_to_all) instead of sharing everything with everyone"
-            )
-
-        return call
-
-    try:
-        for name in saved:
-            setattr(dist, name, refuse(name))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
-def _experts(E: int, d: int, device: Any = "cpu", salt: int = 0) -> list[Callable]:
-    """Expert e: x -> tanh(x @ W_e) + e, small and different per expert (same on every rank)."""
-    ws = [
-        (torch.randn(d, d, generator=torch.Generator().manual_seed(salt + 500 + e)) / d**0.5).to(device)
-        for e in range(E)
-    ]
+# ----------------------------------------------------------------------------- exercise 2: top-2, once per rank
+def _experts(E: int, d: int, salt: int, device: Any = None) -> list[Callable]:
+    """Expert e: x -> tanh(x @ W_e) + e (float64), different per expert, the same on every rank."""
+    ws = [torch.randn(d, d, generator=torch.Generator().manual_seed(salt + 500 + e), dtype=torch.float64) / d**0.5
+          for e in range(E)]  # fmt: skip
+    if device is not None:
+        ws = [w.to(device) for w in ws]
     return [lambda x, w=w, e=e: torch.tanh(x @ w) + e for e, w in enumerate(ws)]
 
 
-def _routing(rank: int, n: int, E: int, C: int, salt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random routing of this rank's n tokens into E experts x C slots, some slots empty."""
+def _routing(salt: int, rank: int, n: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(salt + 900 + rank)
-    tokens = torch.full((E, C), -1, dtype=torch.long)
-    gates = torch.zeros(E, C)
-    for e in range(E):
-        fill = int(torch.randint(0, min(C, n) + 1, (1,), generator=g))
-        tokens[e, :fill] = torch.randperm(n, generator=g)[:fill]
-        gates[e, :fill] = torch.rand(fill, generator=g)
-    return tokens, gates
+    x = torch.randn(n, 64, generator=g, dtype=torch.float64)
+    ids = (
+        torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(n)]) if n else torch.zeros(0, 2).long()
+    )
+    gates = torch.rand(n, 2, generator=g, dtype=torch.float64)
+    return x, ids, gates
 
 
-def _run_dispatch(ctx, fn: Callable, cases, salt: int) -> int:
+def _rows(ids: torch.Tensor, rank: int, L: int) -> int:
+    """Rows a rank sends forward: one per (token, other rank holding one of its experts)."""
+    return sum(len({int(e) // L for e in row} - {rank}) for row in ids)
+
+
+def _run_top2(ctx, fn: Callable, E: int, counts: list[int], salt: int) -> list[tuple[int, int]]:
     p, r = ctx.world_size, ctx.rank
-    for E, C, n, d in cases:
-        where = f"world_size={p}, {E} experts, capacity {C}, {n} tokens of width {d}, rank {r}"
-        x = torch.randn(n, d, generator=torch.Generator().manual_seed(salt + 700 + r))
-        tokens, gates = _routing(r, n, E, C, salt)
-        every = _experts(E, d, salt=salt)
-        L = E // p
-        on_device = _experts(E, d, ctx.device, salt)  # the learner's experts run where its tokens are
-        mine = {e: on_device[e] for e in range(r * L, (r + 1) * L)}
-        want = torch.zeros(n, d)
-        for e in range(E):
-            for s in range(C):
-                if tokens[e, s] >= 0:
-                    t = int(tokens[e, s])
-                    want[t] += gates[e, s] * every[e](x[t : t + 1])[0]
-        try:
-            with _only_all_to_all(), unavailable(FORBIDDEN, "this exercise (dispatch_combine)"):
-                got = fn(ctx, x.to(ctx.device), tokens.to(ctx.device), gates.to(ctx.device), mine)
-        except NotImplementedError:
-            raise
-        except AssertionError as e:
-            raise AssertionError(f"{where}: {e or 'an assert in your function failed'}") from None
-        except Exception as e:
-            raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e}") from e
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (n, d):
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            raise AssertionError(f"{where}: expected a ({n}, {d}) tensor, got {shape}")
-        got = got.detach().cpu()
-        err = (got.float() - want).abs()
-        if err.max() > 1e-5:
-            t = int(err.amax(1).argmax())
-            raise AssertionError(
-                f"{where}: token {t} differs by {err[t].max().item():.3g} (got {got[t, :3].tolist()}..., expected "
-                f"{want[t, :3].tolist()}...). y[t] must be the sum over every slot holding t of gate x expert(x[t])"
-            )
-    return len(cases)
+    L, d = E // p, 64
+    x, ids, gates = _routing(salt, r, counts[r], E)
+    every = _experts(E, d, salt)
+    want = torch.zeros(counts[r], d, dtype=torch.float64)
+    for t in range(counts[r]):
+        for c in range(2):
+            want[t] += gates[t, c] * every[int(ids[t, c])](x[t : t + 1])[0]
+    mine = dict(zip(range(r * L, (r + 1) * L), _experts(E, d, salt, ctx.device)[r * L : (r + 1) * L]))
+    where = f"world_size={p}, {E} experts ({L} per rank), tokens per rank {counts}, rank {r}"
+    before = sum(v.get("sent", 0) for v in ctx.recorder.comm.values())
+    with unavailable(FORBIDDEN, "this exercise (dispatch_top2)"):
+        got = call_learner(fn, where, ctx, x.to(ctx.device), ids.to(ctx.device), gates.to(ctx.device), mine)
+    sent = sum(v.get("sent", 0) for v in ctx.recorder.comm.values()) - before
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != (counts[r], d):
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise AssertionError(f"{where}: expected a ({counts[r]}, {d}) tensor, got {shape}")
+    err = (got.detach().to(want.device, torch.float64) - want).abs()
+    if err.numel() and err.max() > 1e-10:
+        t = int(err.amax(1).argmax())
+        raise AssertionError(f"{where}: token {t} (experts {ids[t].tolist()}) differs by {err[t].max().item():.3g}: "
+                             "y[t] is the sum over its two choices of gate x expert(x[t])")  # fmt: skip
+    # rows that must leave this rank: its own tokens forward, other ranks' tokens back
+    all_ids = [_routing(salt, q, counts[q], E)[1] for q in range(p)]
+    back = sum(1 for q in range(p) if q != r for row in all_ids[q] if r in {int(e) // L for e in row})
+    return _rows(ids, r, L), back, sent
 
 
-def check_dispatch_combine(dispatch_combine: Callable) -> None:
-    """`dispatch_combine(ctx, x, expert_tokens, expert_gates, experts)` -> (N, d) on every rank."""
-    require_callable(dispatch_combine, "dispatch_combine")
-    cases = [(4, 3, 10, 6), (8, 2, 7, 5), (4, 5, 3, 4)]  # (E, C, tokens, d): C > tokens in the last
-    total, salt = 0, draw_seed() % 2**40  # tokens, routings and experts drawn afresh every grade run
-    for p in (1, 2, 4):
+def check_dispatch_top2(fn: Callable) -> None:
+    """`fn(ctx, x, expert_ids, gates, experts)` -> (N_r, d): top-2, dropless, a token sent once per rank."""
+    require_callable(fn, "dispatch_top2")
+    rnd = random.Random(
+        draw_seed()
+    )  # token counts, routings, inputs and experts drawn afresh every grade run
+    salt = rnd.randrange(2**40)
+    for p in (2, 3, 4):
+        E = p * rnd.choice((1, 2, 3))
+        counts = [rnd.randint(0, 9) for _ in range(p)]
+        counts[rnd.randrange(p)] = 0  # some rank holds no token
+        counts[rnd.randrange(p)] = max(counts) + rnd.randint(1, 5)  # and some rank more than the others
         try:
-            res = launch_learner(_run_dispatch, p, dispatch_combine, cases, salt, timeout=30.0)
+            res = launch_learner(_run_top2, p, fn, E, counts, salt, timeout=60.0)
         except Exception as e:
             if getattr(e, "exc_type", None) in ("AssertionError", "WriteItYourself"):
                 raise rank_verdict(e) from None
             if type(e).__name__ == "LaunchTimeout":
-                raise AssertionError(
-                    f"world_size={p}: the ranks did not finish in 30 s; every rank must take part in every "
-                    "all-to-all, with one tensor per rank"
-                ) from None
+                raise AssertionError(f"world_size={p}: the ranks did not finish in 60 s; every rank must take part "
+                                     "in every exchange, even a rank with no tokens") from None  # fmt: skip
             raise
-        total += res.values[0]
-    passed("check_dispatch_combine", f"{total} cases on 1, 2 and 4 ranks")
+        for r, (fwd, back, sent) in enumerate(res.values):
+            rows = fwd + back
+            floor, allowance = rows * 64 * 8, fwd * 48 + 64 * p
+            where = f"world_size={p}, {E} experts, tokens per rank {counts}, rank {r}"
+            if sent < floor:
+                raise AssertionError(f"{where}: the rank sent {sent} bytes through parallel_lab.comms, less than "
+                                     f"the {rows} rows of width 64 that must leave it ({floor} bytes): move every "
+                                     "row with the lab's comms, so it is counted")  # fmt: skip
+            if sent > floor + allowance:
+                extra = (sent - floor) // (64 * 8)
+                raise AssertionError(f"{where}: the rank sent {sent} bytes, about {extra} rows of width 64 more than "
+                                     f"one per (token, other rank holding one of its experts) each way, plus a little "
+                                     f"for counts, ids and gates: a token whose two experts live on one rank goes "
+                                     "there once, and comes back as one row")  # fmt: skip
+    passed("check_dispatch_top2", "2, 3 and 4 ranks with uneven tokens: outputs and bytes")
 
 
-# ----------------------------------------------------------------------------- predict, then measure
-_PADDED = ((64, 8, 1, 1.25, 16), (40, 4, 2, 1.0, 8), (30, 8, 1, 2.0, 12))  # tokens per rank, E, k, factor, d
+# ----------------------------------------------------------------------------- exercise 3: expected rows
+def _expected_rows(E: int, p: int, k: int) -> float:
+    """Exact: the mean over every k-subset of experts of the other ranks it touches (this rank is rank 0)."""
+    L = E // p
+    subsets = list(itertools.combinations(range(E), k))
+    return sum(len({e // L for e in s} - {0}) for s in subsets) / len(subsets)
 
 
-def _measure_padded(ctx, cases: tuple) -> list[int]:
-    """Bytes this rank sends in the padded dispatch all-to-all of the lab's expert-parallel layer."""
-    from parallel_lab.moe import ExpertParallelMoE, MoEConfig, build_moe
-
-    out = []
-    for n, E, k, factor, d in cases:
-        layer = ExpertParallelMoE(
-            ctx, build_moe(MoEConfig(d, 2 * d, E, k, factor), seed=0).to(ctx.device), "padded"
+def check_expected_rows(fn: Callable) -> None:
+    """`fn(experts, ranks, k)` -> expected rows one token sends to other ranks (uniform k of E, no repeats)."""
+    require_callable(fn, "expected_rows")
+    fn = guarded(fn, FORBIDDEN, "this exercise (expected_rows)")
+    rnd = random.Random(draw_seed())  # layouts drawn afresh every grade run
+    cases = [(6, 2, 2), (8, 8, 2), (6, 3, 1)]
+    while len(cases) < 8:
+        p = rnd.choice((2, 3, 4, 6, 8))
+        E, k = p * rnd.randint(1, 4), rnd.randint(1, 4)
+        if k <= E and math.comb(E, k) <= 20_000 and (E, p, k) not in cases:
+            cases.append((E, p, k))
+    for E, p, k in cases:
+        where = f"expected_rows(experts={E}, ranks={p}, k={k})"
+        got = call_learner(fn, where, E, p, k)
+        assert isinstance(got, (int, float)) and not isinstance(got, bool), (
+            f"{where} must return a number of rows, got {type(got).__name__}"
         )
-        x = torch.randn(n, d, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
-        before = ctx.recorder.comm.get("moe_dispatch", {}).get("sent", 0)
-        layer(x, seed=0)
-        out.append(ctx.recorder.comm["moe_dispatch"]["sent"] - before)
-    return out
-
-
-def check_padded_dispatch_bytes(fn: Callable) -> None:
-    """`fn(tokens, experts, k, capacity_factor, d, p, itemsize)` -> bytes one rank sends in the padded
-    dispatch all-to-all (every expert's C slots travel, empty ones too; C from the capacity factor, per
-    rank's tokens); predicted, then compared with the byte counter of real runs on 2 and 4 ranks (exactly)."""
-    require_callable(fn)
-    fn = guarded(fn, FORBIDDEN, "this exercise (padded_dispatch_bytes)")
-    import random
-
-    rnd = random.Random(draw_seed())  # one more layer drawn afresh every grade run (E divisible by 4)
-    shapes = (*_PADDED, (rnd.randint(8, 80), 4 * rnd.randint(1, 4), rnd.randint(1, 2), rnd.choice((1.0, 1.25, 1.5, 2.0)),
-                         rnd.randint(2, 16)))  # fmt: skip
-    cases = 0
-    for p in (2, 4):
-        try:
-            res = launch_learner(_measure_padded, p, shapes, timeout=60.0)
-        except Exception as e:
-            if getattr(e, "exc_type", None) in ("AssertionError", "WriteItYourself"):
-                raise rank_verdict(e) from None
-            raise
-        for r, sent in enumerate(res.values):
-            for (n, E, k, factor, d), got in zip(shapes, sent):
-                said = fn(n, E, k, factor, d, p, 4)
-                assert said == got, (
-                    f"{n} tokens per rank, {E} experts, top-{k}, capacity factor {factor}, d={d} on {p} ranks, rank {r}: "
-                    f"you predict {said} bytes, the dispatch sent {got}"
-                )
-                cases += 1
-    passed("check_padded_dispatch_bytes", f"{cases} predictions equal the bytes measured on 2 and 4 ranks")
+        want = _expected_rows(E, p, k)
+        if abs(got - want) > 1e-9 * max(1.0, want):
+            L = E // p
+            slips = [
+                (k * (p - 1) / p, "that is one row per expert choice: a token goes to a rank once, however many "
+                 "of its experts live there."),
+                ((p - 1) * (1 - (1 - L / E) ** k), "that draws the k experts with repeats; a token's experts are "
+                 "distinct, so after one lands on a rank, fewer of the rest can."),
+                (p * (1 - math.comb(E - L, k) / math.comb(E, k)), "that counts this rank's own experts too: rows "
+                 "for them never leave."),
+            ]  # fmt: skip
+            hint = next((t for x, t in slips if abs(got - x) <= 1e-9 * max(1.0, x)), "")
+            raise AssertionError(f"{where} is {got!r}, expected {want!r}. {hint}".rstrip())
+    passed("check_expected_rows", "8 layouts, exact")

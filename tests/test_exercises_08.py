@@ -33,6 +33,21 @@ def _emb(old: str, new: str) -> str:
     return edit("08", EMB, old, new)
 
 
+# Every rank's x (rows, w_r) side by side, gathered by torch's dispatcher op rather than the lab's (untraced):
+# the widths first, then the columns padded to the widest
+GATHER = """
+def gather_columns(x, p):
+    if p == 1:
+        return x
+    fc, name = torch.ops._c10d_functional, torch.distributed.group.WORLD.group_name
+    w = fc.wait_tensor(fc.all_gather_into_tensor(torch.tensor([x.shape[1]], device=x.device), p, name)).tolist()
+    pad = x.new_zeros(max(w), x.shape[0])
+    pad[: x.shape[1]] = x.t()
+    every = fc.wait_tensor(fc.all_gather_into_tensor(pad.contiguous(), p, name))  # (p * max(w), rows)
+    return torch.cat([every[k * max(w) : k * max(w) + w[k]] for k in range(p)]).t()
+"""
+
+
 def _fn(name: str, body: str, *args: str) -> str:
     """A learner's Function whose forward is `body` (its backward passes the gradient through)."""
     return (
@@ -51,7 +66,11 @@ WRONG = [
     ("check_vocab_parallel_loss", "an extra collective in forward",
      _loss("comms.dist_all_reduce(ctx, total, group=group)",
            "comms.dist_all_reduce(ctx, total, group=group)\n        comms.dist_all_gather(ctx, total, group=group)"),
-     "forward should all-reduce three tensors"),
+     "forward should send a max all-reduce of"),
+    ("check_vocab_parallel_loss", "a fourth all-reduce of N in forward",
+     _loss("comms.dist_all_reduce(ctx, total, group=group)",
+           "comms.dist_all_reduce(ctx, total, group=group)\n        comms.dist_all_reduce(ctx, logits.new_zeros(logits.shape[0], 1))"),
+     "then sum all-reduces of"),
     ("check_vocab_parallel_loss_grad", "gradient without the onehot",
      _back("grad[rows, safe[rows]] -= 1.0", "pass"), "the target's term is missing"),
     ("check_vocab_parallel_loss_grad", "onehot at the global index on every rank",
@@ -85,20 +104,22 @@ WRONG = [
           "local, foreign = fctx.saved_tensors\n        comms.dist_all_reduce(fctx.ctx, grad_out.clone())")
      .replace("fctx.rows = weight.shape[0]", "fctx.rows, fctx.ctx = weight.shape[0], ctx"),
      "backward sent all_reduce of"),
-    # ---- exercise 4: predict the bytes
-    ("check_vocab_step_bytes", "the embedding's all-reduce only",
-     edit("08", BYTES, "(ring(n * h) + 3 * ring(n))", "ring(n * h)"), "you predict"),
-    ("check_vocab_step_bytes", "two all-reduces in the loss, not three",
-     edit("08", BYTES, "3 * ring(n)", "2 * ring(n)"), "you predict"),
-    ("check_vocab_step_bytes", "backward all-reduces too",
-     edit("08", BYTES, "return (ring(n * h) + 3 * ring(n))", "return 2 * (ring(n * h) + 3 * ring(n))"), "in backward"),
+    # ---- exercise 4: predict the bytes of the sequence-parallel embedding and the fused loss
+    ("check_vocab_step_bytes", "no sequence parallelism: the embedding's all-reduce (rings cut by elements)",
+     edit("08", BYTES, "(scatter + gather + ring(n)", "(ring(n * h) + ring(n)"), "you predict"),
+    ("check_vocab_step_bytes", "the reduce-scatter's backward sends nothing",
+     edit("08", BYTES, "(scatter + gather + ring(n)", "(scatter + ring(n)"), "in backward"),
+    ("check_vocab_step_bytes", "the backward all-gather skips this rank's own block, not its neighbour's",
+     edit("08", BYTES, "(n - tokens[(rank + 1) % p]) * h", "(n - tokens[rank]) * h"), "you predict"),
+    ("check_vocab_step_bytes", "the loss as three rings of N, not a ring of N and one of 2N",
+     edit("08", BYTES, "ring(n) + ring(2 * n)", "3 * ring(n)"), "you predict"),
     ("check_vocab_step_bytes", "elements, not bytes",
-     edit("08", BYTES, "3 * ring(n)) * itemsize", "3 * ring(n))"), "you predict"),
+     edit("08", BYTES, "ring(2 * n)) * itemsize", "ring(2 * n))"), "you predict"),
     ("check_vocab_step_bytes", "the even-chunk formula, rounded",
      edit("08", BYTES, "c = comms.chunk_sizes(m, p)\n        return 2 * m - c[rank] - c[(rank + 1) % p]",
           "return round(2 * (p - 1) * m / p)"), "you predict"),
     ("check_vocab_step_bytes", "the logits travel (vocab-dependent)",
-     edit("08", BYTES, "3 * ring(n)", "3 * ring(n) + ring(n * vocab)"), "you predict"),
+     edit("08", BYTES, "ring(n) + ring(2 * n)", "ring(n) + ring(2 * n) + ring(n * vocab)"), "you predict"),
 ]  # fmt: skip
 
 # The lab's and torch's versions of the job, the check's own reference, and collectives that bypass the trace
@@ -128,6 +149,40 @@ CHEATS = [
      _loss("comms.dist_all_reduce(ctx, picked, group=group)",
            "import torch.distributed._functional_collectives as fc\n"
            "        picked = fc.all_reduce(picked, 'sum', torch.distributed.group.WORLD)")),
+    ("check_vocab_parallel_loss", "the logits gathered through torch.ops._c10d_functional, three dummy all-reduces",
+     GATHER + _fn(LOSS, "        whole = gather_columns(logits, ctx.world_size)\n"
+                        "        for _ in range(3):\n"
+                        "            comms.dist_all_reduce(ctx, logits.new_zeros(len(target)), group=group)\n"
+                        "        return F.cross_entropy(whole, target, reduction='none')\n",
+                  "logits", "target", "vocab_start")),
+    ("check_vocab_parallel_loss", "the dispatcher's c10d::allreduce_ called directly",
+     _loss('comms.dist_all_reduce(ctx, m, op="max", group=group)',
+           "pg = torch.distributed.distributed_c10d._get_default_group()\n"
+           "        torch.ops.c10d.allreduce_([m], pg.boxed(), torch.classes.c10d.ReduceOp(), None, False, -1)[1].wait()")),
+    ("check_vocab_parallel_loss", "the backend's allreduce (pg._get_backend), which skips the dispatcher",
+     _loss('comms.dist_all_reduce(ctx, m, op="max", group=group)',
+           "pg = torch.distributed.distributed_c10d._get_default_group()\n"
+           "        opts = torch.distributed.AllreduceOptions()\n"
+           "        opts.reduceOp = torch.distributed.ReduceOp.MAX\n"
+           "        pg._get_backend(m.device).allreduce([m], opts).wait()")),
+    ("check_vocab_parallel_loss", "torch.distributed.all_reduce from exec'd code named torch.x",
+     _loss('comms.dist_all_reduce(ctx, m, op="max", group=group)',
+           "exec('dist.all_reduce(m, op=dist.ReduceOp.MAX)', {'__name__': 'torch.x', 'dist': torch.distributed, 'm': m})")),
+    ("check_vocab_parallel_loss", "torch.distributed.all_reduce compiled under a comms file name",
+     _loss('comms.dist_all_reduce(ctx, m, op="max", group=group)',
+           "exec(compile('dist.all_reduce(m, op=dist.ReduceOp.MAX)', comms.core.__file__, 'exec'),\n"
+           "             {'__name__': 'parallel_lab.comms.core', 'dist': torch.distributed, 'm': m})")),
+    ("check_vocab_parallel_embedding", "the whole table gathered through torch.ops._c10d_functional",
+     GATHER + HEAD + "class VocabParallelEmbedding(torch.autograd.Function):\n"
+     "    @staticmethod\n    def forward(fctx, ids, weight, vocab_start, ctx, group=None):\n"
+     "        whole = gather_columns(weight.t(), ctx.world_size).t()\n"
+     "        comms.dist_all_reduce(ctx, weight.new_zeros(*ids.shape, weight.shape[1]), group=group)\n"
+     "        fctx.save_for_backward(ids - vocab_start)\n        fctx.rows = weight.shape[0]\n"
+     "        return F.embedding(ids, whole)\n"
+     "    @staticmethod\n    def backward(fctx, g):\n        (local,) = fctx.saved_tensors\n"
+     "        mine = (local >= 0) & (local < fctx.rows)\n"
+     "        gw = g.new_zeros(fctx.rows, g.shape[-1]).index_add_(0, local[mine], g[mine])\n"
+     "        return None, gw, None, None, None\n"),
     ("check_vocab_parallel_embedding", "the lab's g operator",
      _emb("comms.dist_all_reduce(ctx, out, group=group)",
           "from parallel_lab.tensor_parallel import reduce_from_tp_region\n"
@@ -187,6 +242,39 @@ def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
 def test_the_labs_and_torchs_versions_are_switched_off(check, label, source):
     with pytest.raises(AssertionError, match="switched off"):
         run_check("08", check, source)
+
+
+# Megatron-core's fused forward (megatron/core/fusions/fused_cross_entropy.py): the max, then the target's logits and
+# the exps' sums side by side in one all-reduce of 2N
+FUSED = _loss(
+    "picked = torch.where(here, z.gather(1, safe[:, None])[:, 0], torch.zeros_like(m))  # (N,)\n"
+    "        comms.dist_all_reduce(ctx, picked, group=group)",
+    "picked = torch.where(here, z.gather(1, safe[:, None])[:, 0], torch.zeros_like(m))  # (N,)",
+    (
+        "comms.dist_all_reduce(ctx, total, group=group)",
+        "both = comms.dist_all_reduce(ctx, torch.cat((picked, total)), group=group)\n"
+        "        picked, total = both.split(len(m))",
+    ),
+)
+
+
+@pytest.mark.parametrize("check", ["check_vocab_parallel_loss", "check_vocab_parallel_loss_grad"])
+def test_the_fused_forward_passes_too(check, capsys):
+    run_check("08", check, FUSED)
+    assert capsys.readouterr().out.startswith(f"{check} passed")
+
+
+def test_the_dispatcher_cheat_passes_when_nothing_guards_the_collectives(monkeypatch, capsys):
+    """The gather through torch.ops._c10d_functional is a real cheat: with the guard taken away it passes, so
+    only the guard makes it fail above."""
+    import contextlib
+
+    from parallel_lab.grading.checks import tensor_parallel
+
+    monkeypatch.setattr(tensor_parallel, "_only_traced", lambda what: contextlib.nullcontext())
+    source = next(c[2] for c in CHEATS if "torch.ops._c10d_functional, three" in c[1])
+    run_check("08", "check_vocab_parallel_loss", source)
+    assert capsys.readouterr().out.startswith("check_vocab_parallel_loss passed")
 
 
 def test_an_unfinished_exercise_stays_not_implemented_and_a_non_function_is_named():

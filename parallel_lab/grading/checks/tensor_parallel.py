@@ -12,23 +12,30 @@ shards are uneven, drawn afresh every grade run, as are the sizes, logits, table
 - `check_vocab_parallel_embedding`: `Fn.apply(ids, weight, vocab_start, ctx, group)` against
   `F.embedding` on the whole table, output and this rank's rows of the table's gradient.
 - The collectives the learner's code calls are read from the lab's trace (`parallel_lab.comms` records
-  each one): forward's all-reduces are counted with their sizes, backward must send nothing. A
-  torch.distributed collective called directly would go unseen, so it is refused while the learner's
-  code runs; so are torch's and the lab's own versions of these layers, and this module's reference.
-- `check_vocab_step_bytes`: a prediction of the bytes a rank sends in one step of both layers,
-  against the lab's byte counter on this module's reference layers (ring all-reduces), exactly.
+  each one): forward's all-reduces are counted with their sizes (the loss's: a max of N, then sums of 2N
+  in all, as three all-reduces of N or Megatron-core's fused two), backward must send nothing. A
+  collective that skips the lab's comms would go unseen, so every one is refused while the learner's
+  code runs (torch.distributed's functions, the process group's and its backend's methods, and the
+  dispatcher's c10d and _c10d_functional ops); so are torch's and the lab's own versions of these
+  layers, and this module's reference.
+- `check_vocab_step_bytes`: a prediction of the bytes a rank sends in one step of a vocabulary-parallel
+  embedding whose output is reduce-scattered along the sequence (sequence parallelism) and of the fused
+  loss, against the lab's byte counter on this module's reference layers (the lab's rings), exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_lab import comms
 from parallel_lab.grading.checks import (
@@ -80,7 +87,8 @@ LAB_TP = (
     "parallel_lab.tensor_parallel.sequence_parallel",
     "parallel_lab.tensor_parallel.transformer",
 )
-_KEEP = ("_only_traced", "_learner_running")  # the check's own guards, running while the learner's code does
+# the check's own guards, running while the learner's code does
+_KEEP = ("_only_traced", "_learner_running", "_from_the_labs_comms", "_comms_only", "_OnlyThroughComms")
 
 
 def _forbidden() -> dict[str, str]:
@@ -99,10 +107,65 @@ def _forbidden() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- the learner's calls
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
+_COMMS_DIR = str(Path(comms.__file__).resolve().parent) + os.sep
+#: the dispatcher's namespaces of collective and point-to-point ops: torch.distributed's Python calls end
+#: here (c10d::allreduce_, c10d::send, ...), and torch.ops._c10d_functional.* reaches them directly
+_COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "symm_mem")
+#: the per-device backend's methods (`pg._get_backend(device).allreduce(...)`), which skip the dispatcher
+_BACKEND_METHODS = (
+    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+    "alltoall", "alltoall_base", "broadcast", "reduce", "gather", "scatter", "send", "recv", "recv_anysource",
+)  # fmt: skip
+
+
+def _from_the_labs_comms(frame: Any) -> bool:
+    """Is the innermost caller outside torch one of parallel_lab.comms' functions? Decided by the code's
+    file and by the frame's globals being that module's own (a learner's `exec` with a made-up file name
+    or `__name__` has neither)."""
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code is _ONLY_FROM_THE_LAB
+    ):
+        frame = frame.f_back
+    if frame is None or not frame.f_code.co_filename.startswith(_COMMS_DIR):
+        return False
+    module = sys.modules.get(frame.f_globals.get("__name__", ""))
+    return module is not None and vars(module) is frame.f_globals
+
+
+def _comms_only(fn: Any, message: str) -> Any:
+    def only_from_the_lab(*args: Any, **kwargs: Any) -> Any:
+        if not _from_the_labs_comms(sys._getframe(1)):
+            raise WriteItYourself(message)
+        return fn(*args, **kwargs)
+
+    return only_from_the_lab
+
+
+_ONLY_FROM_THE_LAB = _comms_only(print, "").__code__  # the wrappers' one code object: a step to look past
+
+
+class _OnlyThroughComms(TorchDispatchMode):
+    """Every collective and message reaches the dispatcher as a c10d op; one the lab's comms did not
+    call is refused (torch.ops._c10d_functional.all_gather_into_tensor, say, called directly)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in _COMM_NAMESPACES and not _from_the_labs_comms(sys._getframe(1)):
+            raise WriteItYourself(self.message)
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def _only_traced(what: str) -> Iterator[None]:
-    """torch.distributed's collectives and point-to-point calls refuse a caller outside torch and the
-    lab: the check counts what `parallel_lab.comms` records, and a direct call would go unseen."""
+    """torch.distributed's collectives and point-to-point calls refuse a caller other than the lab's
+    comms: the check counts what `parallel_lab.comms` records, and a direct call would go unseen. Three
+    doors: torch.distributed's Python functions and the process group's methods (wrapped), the
+    dispatcher's c10d ops (a dispatch mode), and the backend's methods, which skip the dispatcher."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -112,32 +175,25 @@ def _only_traced(what: str) -> Iterator[None]:
     )
     names = [n.rsplit(".", 1)[1] for n in TORCH_COLLECTIVES if n.startswith("torch.distributed.")]
     names += ["send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce_coalesced"]
-    pg_names = [n.rsplit(".", 1)[1] for n in TORCH_COLLECTIVES if ".ProcessGroup." in n] + ["send", "recv"]
+    pg_names = [n.rsplit(".", 1)[1] for n in TORCH_COLLECTIVES if ".ProcessGroup." in n]
+    pg_names += ["send", "recv", "recv_anysource"]
     undo: list[tuple[Any, str, Any]] = []
 
-    def wrap(fn: Any) -> Any:
-        def only_from_the_lab(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if not caller.startswith(("torch.", "parallel_lab.")):
-                raise WriteItYourself(message)
-            return fn(*args, **kwargs)
-
-        return only_from_the_lab
+    def patch(owner: Any, name: str, fn: Any) -> None:
+        if fn is not None:
+            undo.append((owner, name, fn))
+            setattr(owner, name, _comms_only(fn, message))
 
     try:
         for owner in (dist, c10d):
             for name in names:
-                fn = getattr(owner, name, None)
-                if fn is not None:
-                    undo.append((owner, name, fn))
-                    setattr(owner, name, wrap(fn))
-        pg = torch._C._distributed_c10d.ProcessGroup
-        for name in pg_names:
-            fn = vars(pg).get(name)
-            if fn is not None:
-                undo.append((pg, name, fn))
-                setattr(pg, name, wrap(fn))
-        yield
+                patch(owner, name, getattr(owner, name, None))
+        for klass, methods in ((torch._C._distributed_c10d.ProcessGroup, pg_names),
+                               (torch._C._distributed_c10d.Backend, _BACKEND_METHODS)):  # fmt: skip
+            for name in methods:
+                patch(klass, name, vars(klass).get(name))
+        with _OnlyThroughComms(message):
+            yield
     finally:
         for owner, name, fn in reversed(undo):
             setattr(owner, name, fn)
@@ -279,11 +335,17 @@ def _loss_rank(ctx, cases: list[dict], Fn: Any, backward: bool) -> int:
                 )
         _close(where, "the loss", loss, want, "token")
         if p > 1:
-            reduces = [e for e in sent if "all_reduce" in e[0]]
-            if len(sent) != 3 or len(reduces) != 3 or any(n != c["n"] for _, n in reduces):
+            # three all-reduces of N (Megatron-LM's), or the max and then the two sums side by side in one
+            # of 2N (Megatron-core's fused version): a max of N first, then 2N elements of sums in all
+            if not (
+                sent
+                and all("all_reduce" in name for name, _ in sent)
+                and sent[0][1] == c["n"]
+                and sum(k for _, k in sent[1:]) == 2 * c["n"]
+            ):
                 raise AssertionError(
-                    f"{where}: forward should all-reduce three tensors of {c['n']} elements (one number per token) "
-                    f"and nothing else; it sent {_say(sent)}"
+                    f"{where}: forward should send a max all-reduce of {c['n']} elements (one number per token), "
+                    f"then sum all-reduces of {2 * c['n']} elements in all, and nothing else; it sent {_say(sent)}"
                 )
         if not backward:
             continue
@@ -461,8 +523,54 @@ def check_vocab_parallel_embedding(Fn: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- predict, then measure
+def _ring_rows(ctx, name: str, blocks: list[torch.Tensor], gather: bool) -> None:
+    """The lab's ring reduce-scatter (or all-gather) on blocks of whole tokens, in place: `blocks` are
+    the (rows_k, h) slices of one (n, h) tensor, rank k's tokens being block k. comms.ring_reduce_scatter
+    cuts the flat tensor by elements, which splits a token when p does not divide n."""
+    from parallel_lab.comms.core import TracedOp
+    from parallel_lab.comms.ring import _ring_all_gather, _ring_reduce_scatter
+
+    with TracedOp(ctx, name, blocks[0], None) as o:
+        flat = [b.view(-1) for b in blocks]
+        if o.p > 1 and gather:
+            _ring_all_gather(o, flat)
+        elif o.p > 1:
+            flat[o.me].copy_(_ring_reduce_scatter(o, flat, "sum", inplace=False))
+
+
+class _RefSequenceParallelEmbedding(torch.autograd.Function):
+    """The vocabulary-parallel embedding whose output is reduce-scattered along the sequence (sequence
+    parallelism: Korthikanti et al. 2022, §4.2.2): rank r keeps its block of tokens, comms.chunk_sizes(n, p)."""
+
+    @staticmethod
+    def forward(fctx, ids, weight, start, ctx):
+        local = ids - start
+        foreign = (local < 0) | (local >= weight.shape[0])
+        local = local.masked_fill(foreign, 0)
+        out = F.embedding(local, weight).masked_fill(
+            foreign[:, None], 0.0
+        )  # (n, h) this rank's part of the sum
+        rows = comms.chunk_sizes(ids.numel(), ctx.world_size)
+        _ring_rows(ctx, "ring_reduce_scatter", list(out.split(rows)), gather=False)
+        fctx.save_for_backward(local, foreign)
+        fctx.rows, fctx.ctx, fctx.blocks = weight.shape[0], ctx, rows
+        return out.split(rows)[ctx.rank].clone()  # (rows_r, h)
+
+    @staticmethod
+    def backward(fctx, g):
+        local, foreign = fctx.saved_tensors
+        full = g.new_zeros(local.numel(), g.shape[-1])  # (n, h): every token's gradient, for this rank's rows
+        blocks = list(full.split(fctx.blocks))
+        blocks[fctx.ctx.rank].copy_(g)
+        _ring_rows(fctx.ctx, "ring_all_gather", blocks, gather=True)
+        gw = g.new_zeros(fctx.rows, g.shape[-1])
+        gw.index_add_(0, local, full.masked_fill(foreign[:, None], 0.0))
+        return None, gw, None, None
+
+
 class _RefLoss(torch.autograd.Function):
-    """The check's reference loss over a vocabulary-split logits tensor (ring all-reduces: real bytes)."""
+    """The vocabulary-parallel loss as Megatron-core fuses it (megatron/core/fusions/fused_cross_entropy.py):
+    the max all-reduced, then the target's logits and the exps' sums side by side in one all-reduce of 2N."""
 
     @staticmethod
     def forward(fctx, logits, target, start, ctx):
@@ -472,10 +580,10 @@ class _RefLoss(torch.autograd.Function):
         local = target - start
         here = (local >= 0) & (local < logits.shape[-1])
         picked = torch.where(here, z.gather(1, local.clamp(0, logits.shape[-1] - 1)[:, None])[:, 0], 0.0)
-        comms.ring_all_reduce(ctx, picked)
         e = z.exp()
-        s = e.sum(-1)
-        comms.ring_all_reduce(ctx, s)
+        both = torch.cat((picked, e.sum(-1)))  # (2N,)
+        comms.ring_all_reduce(ctx, both)
+        picked, s = both.split(len(m))
         fctx.save_for_backward(e / s[:, None], local, here)
         return s.log() - picked
 
@@ -489,6 +597,8 @@ class _RefLoss(torch.autograd.Function):
 
 
 class _RefEmbedding(torch.autograd.Function):
+    """The plain vocabulary-parallel embedding (its output all-reduced): the reference of exercise 3's check."""
+
     @staticmethod
     def forward(fctx, ids, weight, start, ctx):
         local = ids - start
@@ -512,28 +622,35 @@ _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
 def _measure_step(ctx, shapes: list[tuple]) -> list[tuple[int, int]]:
-    """(forward, backward) bytes this rank sends in one step of the reference embedding and loss, per shape."""
+    """(forward, backward) bytes this rank sends in one step of the reference sequence-parallel embedding
+    and the reference loss, per shape; the embedding's output is checked against F.embedding on the way."""
     out = []
     for n, h, vocab, itemsize, cuts in shapes:
         dt, r = _DTYPES[itemsize], ctx.rank
         lo, hi = cuts[r], cuts[r + 1]
         gen = torch.Generator().manual_seed(n * 1000 + h)
-        ids = torch.randint(0, vocab, (n,), generator=gen).to(ctx.device)
-        weight = torch.randn(hi - lo, h, generator=gen).to(ctx.device, dt).requires_grad_()
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+        table = torch.randn(vocab, h, generator=gen).to(dt)
+        weight = table[lo:hi].clone().to(ctx.device).requires_grad_()
         logits = torch.randn(n, hi - lo, generator=gen).to(ctx.device, dt).requires_grad_()
         before = ctx.recorder.comm_totals()["sent"]
-        x = _RefEmbedding.apply(ids, weight, lo, ctx)
-        loss = _RefLoss.apply(logits, ids, lo, ctx)
+        x = _RefSequenceParallelEmbedding.apply(ids.to(ctx.device), weight, lo, ctx)
+        loss = _RefLoss.apply(logits, ids.to(ctx.device), lo, ctx)
         middle = ctx.recorder.comm_totals()["sent"]
         (x.float().sum() + loss.float().sum()).backward()
+        rows = comms.chunk_sizes(n, ctx.world_size)
+        mine = F.embedding(ids, table.double()).split(rows)[r]
+        if not torch.allclose(x.detach().cpu().double(), mine, rtol=1e-2, atol=1e-2):
+            raise AssertionError(f"the reference's tokens on rank {r} are not its block of the lookup")
         out.append((middle - before, ctx.recorder.comm_totals()["sent"] - middle))
     return out
 
 
 def check_vocab_step_bytes(fn: Callable) -> None:
     """`fn(n, h, vocab, p, rank, itemsize)` -> bytes rank `rank` sends in one forward + backward of a
-    vocabulary-parallel embedding of n ids and a vocabulary-parallel loss of n tokens, on p ranks (the
-    lab's ring all-reduces); predicted, then compared with the byte counter of real runs, exactly."""
+    vocabulary-parallel embedding whose output is reduce-scattered along the sequence (n tokens) and a
+    vocabulary-parallel loss of n tokens, on p ranks (the lab's rings); predicted, then compared with the
+    byte counter of real runs, exactly."""
     require_callable(fn)
     forbidden = {
         **_forbidden(),
@@ -543,9 +660,10 @@ def check_vocab_step_bytes(fn: Callable) -> None:
     rnd = random.Random(draw_seed())
     cases = 0
     for p in (2, 3, 4):
-        shapes = [(p, 1, p + 1, 4), (7, 5, 50, 8)]  # a token per rank, h = 1; then chunks that do not divide
+        # fewer tokens than ranks; p + 1 tokens (blocks by tokens and by elements differ); then drawn
+        shapes = [(p - 1, 3, p + 1, 4), (p + 1, 5, 50, 8)]
         shapes += [
-            (rnd.randint(1, 40), rnd.randint(1, 24), rnd.randint(p, 60), rnd.choice((2, 4, 8)))
+            (rnd.randint(1, 40), rnd.randint(2, 24), rnd.randint(p, 60), rnd.choice((2, 4, 8)))
             for _ in range(4)
         ]
         shapes = [(*s, _draw_cuts(rnd, s[2], p)) for s in shapes]

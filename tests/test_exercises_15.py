@@ -8,11 +8,83 @@ import re
 from pathlib import Path
 
 import pytest
-from solution_code import _check_cell, edit, run_check, solution_namespace, table_cheat_fails
+from solution_code import _check_cell, _solution_cell, edit, run_check, solution_namespace, table_cheat_fails
 
 CHECKS = ["check_global_magnitude_masks", "check_distillation_grad"]
 MASKS, GRAD = "global_magnitude_masks", "distillation_grad"
 SIG = "def distillation_grad(s, t, y, T, alpha):\n"
+
+_L = (
+    "import torch\n"
+    "def L(s, t, y, T, alpha):\n"
+    "    log_ps, log_pt = (s / T).log_softmax(-1), (t / T).log_softmax(-1)\n"
+    "    kl = (log_pt.exp() * (log_pt - log_ps)).sum(-1).mean()\n"
+    "    ce = -s.log_softmax(-1).gather(1, y[:, None]).mean()\n"
+    "    return alpha * T * T * kl + (1 - alpha) * ce\n"
+)
+_ENGINE = (
+    "        x = s.clone().requires_grad_()\n        loss = _loss(x, t, y, T, alpha)\n"
+    "        return Variable._execution_engine.run_backward((loss,), (torch.ones_like(loss),), False, False, (x,),"
+    " False, False)[0]\n"
+)
+_FD = "a numerical derivative is refused"
+#: numerical derivatives and ways round the graph check, each refused while the learner's function runs
+CHEATS = {
+    # the reviewer's three numerical derivatives: each matched autograd to 1e-10 in some grade runs
+    "complex step, h = 1e-30": (_L.replace("def L(", "def _unused(") + SIG
+        + "    s = s.to(torch.complex128)\n    g = torch.zeros(s.shape, dtype=torch.float64)\n    def Lc(s):\n"
+        "        ls = s / T - (s / T).exp().sum(-1, keepdim=True).log()\n        lt = (t / T).log_softmax(-1)\n"
+        "        l1 = s - s.exp().sum(-1, keepdim=True).log()\n"
+        "        return alpha * T * T * (lt.exp() * (lt - ls)).sum(-1).mean() - (1 - alpha) * l1[torch.arange(len(y)), y].mean()\n"
+        "    for i in range(s.shape[0]):\n        for j in range(s.shape[1]):\n"
+        "            d = torch.zeros_like(s)\n            d[i, j] = 1e-30j\n            g[i, j] = Lc(s + d).imag / 1e-30\n"
+        "    return g\n", "complex numbers are refused"),
+    "Richardson-extrapolated central differences, h = 1e-3": (_L + SIG
+        + "    g = torch.zeros_like(s)\n    def c(i, j, h):\n        d = torch.zeros_like(s)\n        d[i, j] = h\n"
+        "        return (L(s + d, t, y, T, alpha) - L(s - d, t, y, T, alpha)) / (2 * h)\n"
+        "    for i in range(s.shape[0]):\n        for j in range(s.shape[1]):\n"
+        "            g[i, j] = (4 * c(i, j, 5e-4) - c(i, j, 1e-3)) / 3\n    return g\n", _FD),
+    "central differences": (_L + SIG
+        + "    g = torch.zeros_like(s)\n    for i in range(s.shape[0]):\n        for j in range(s.shape[1]):\n"
+        "            d = torch.zeros_like(s)\n            d[i, j] = 6e-6\n"
+        "            g[i, j] = (L(s + d, t, y, T, alpha) - L(s - d, t, y, T, alpha)) / 1.2e-5\n    return g\n", _FD),
+    # the lean kind: only the row a logit is in, a row's V nudges at once, Richardson for the accuracy
+    "row by row, every class at once, Richardson": ("import torch\n" + SIG
+        + "    n, v = s.shape\n    pt = (t / T).softmax(-1)\n    E = torch.eye(v, dtype=s.dtype)\n    def r(x, i):\n"
+        "        return -alpha * T * T * (pt[i] * (x / T).log_softmax(-1)).sum(-1) - (1 - alpha) * x.log_softmax(-1)[:, y[i]]\n"
+        "    def c(i, h):\n        return (r(s[i] + h * E, i) - r(s[i] - h * E, i)) / (2 * h)\n"
+        "    return torch.stack([(4 * c(i, 5e-4) - c(i, 1e-3)) / 3 for i in range(n)]) / n\n", _FD),
+    "the logits read out as Python floats": ("import torch\n" + SIG
+        + "    vals = [[float(s[i, j]) for j in range(s.shape[1])] for i in range(s.shape[0])]\n"
+        + _solution_cell("15", GRAD).split(":\n", 1)[1].replace("student_logits", "s").replace("teacher_logits", "t")
+          .replace("targets", "y").replace("temperature", "T"), "Python numbers one at a time"),
+    "the logits moved to numpy": ("import torch\n" + SIG + "    s.numpy()\n    return s\n", "torch.Tensor.numpy is switched off"),
+    "the logits as a list": ("import torch\n" + SIG + "    s.tolist()\n    return s\n", "torch.Tensor.tolist is switched off"),
+    "torch's softmax backward kernel": ("import torch\n" + SIG
+        + "    ps, pt, p1 = (s / T).softmax(-1), (t / T).softmax(-1), s.softmax(-1)\n"
+        "    hot = torch.nn.functional.one_hot(y, s.shape[1]).double()\n    bw = torch.ops.aten._softmax_backward_data\n"
+        "    return (alpha * T * bw(-pt / ps, ps, -1, s.dtype) + (1 - alpha) * bw(-hot / p1, p1, -1, s.dtype)) / len(y)\n",
+        "aten._softmax_backward_data"),
+    "torch's log-softmax backward kernel": ("import torch\n" + SIG
+        + "    return torch.ops.aten._log_softmax_backward_data(torch.ones_like(s), s.log_softmax(-1), -1, s.dtype)\n",
+        "aten._log_softmax_backward_data"),
+    "torch's nll_loss backward kernel": ("import torch\n" + SIG
+        + "    one = torch.tensor(1.0, dtype=s.dtype)\n"
+        "    return torch.ops.aten.nll_loss_backward(one, s.log_softmax(-1), y, None, 1, -100, one * len(y))\n",
+        "aten.nll_loss_backward"),
+    "the learner's own saved-tensor hooks around the C++ engine": ("import torch\nfrom torch.autograd.variable import "
+        "Variable\nfrom parallel_lab.grading.checks.compression import _loss\n" + SIG
+        + "    with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):\n" + _ENGINE, "requires grad"),
+    "autograd on a thread of its own": ("import torch, threading\nfrom torch.autograd.variable import Variable\n"
+        "from parallel_lab.grading.checks.compression import _loss\n" + SIG
+        + "    out = []\n    def work():\n        out.append(run())\n    def run():\n" + _ENGINE
+        + "    th = threading.Thread(target=work)\n    th.start()\n    th.join()\n    return out[0]\n",
+        "threading.Thread.start is switched off"),
+    "autograd in a thread pool": ("import torch\nfrom concurrent.futures import ThreadPoolExecutor\n"
+        "from torch.autograd.variable import Variable\nfrom parallel_lab.grading.checks.compression import _loss\n"
+        + SIG + "    def run():\n" + _ENGINE + "    with ThreadPoolExecutor(1) as pool:\n        return pool.submit(run).result()\n",
+        "threading.Thread.start is switched off"),
+}  # fmt: skip
 
 WRONG = [
     # ---- exercise 1: one threshold over every tensor
@@ -65,19 +137,19 @@ WRONG = [
      "switched off"),
     # ---- exercise 2: the gradient by hand
     ("check_distillation_grad", "T² kept without the chain rule's 1/T",
-     edit("15", GRAD, "soft = alpha * T * (", "soft = alpha * T * T * ("), "T times too large"),
+     edit("15", GRAD, "soft = alpha * T * (", "soft = alpha * T * T * ("), "off by a factor of T (too large)"),
     ("check_distillation_grad", "the 1/T without T²",
-     edit("15", GRAD, "soft = alpha * T * (", "soft = alpha / T * ("), "T² times too small"),
+     edit("15", GRAD, "soft = alpha * T * (", "soft = alpha / T * ("), "off by a factor of T² (too small)"),
     ("check_distillation_grad", "no mean over the batch",
      edit("15", GRAD, "return (soft + (1 - alpha) * hard) / n", "return soft + (1 - alpha) * hard"),
-     "N times too large"),
+     "off by a factor of N"),
     ("check_distillation_grad", "student and teacher swapped",
      edit("15", GRAD, "(p_student - p_teacher)", "(p_teacher - p_student)"), "wrong sign"),
     ("check_distillation_grad", "the hard term with softened probabilities",
      edit("15", GRAD, "hard = student_logits.softmax(dim=-1)", "hard = (student_logits / T).softmax(dim=-1)"),
-     "the cross-entropy is at temperature 1"),
+     "the hard term differs"),
     ("check_distillation_grad", "the one-hot label left out",
-     edit("15", GRAD, "hard[torch.arange(n), targets] -= 1", "pass"), "differs from the loss's"),
+     edit("15", GRAD, "hard[torch.arange(n, device=hard.device), targets] -= 1", "pass"), "differs from the loss's"),
     ("check_distillation_grad", "torch.autograd.grad",
      "import torch\nfrom parallel_lab.grading.checks.compression import _loss\n" + SIG
      + "    s = s.clone().requires_grad_()\n    return torch.autograd.grad(_loss(s, t, y, T, alpha), s)[0]\n",
@@ -110,8 +182,8 @@ WRONG = [
      "import torch\nfrom torch.autograd.variable import Variable\nfrom parallel_lab.grading.checks.compression import _loss\n"
      + SIG + "    x = s.clone().requires_grad_()\n    loss = _loss(x, t, y, T, alpha)\n"
      "    return Variable._execution_engine.run_backward((loss,), (torch.ones_like(loss),), False, False, (x,), False, False)[0]\n",
-     "recorded an autograd graph"),
-]  # fmt: skip
+     "requires grad"),
+] + [("check_distillation_grad", label, source, want) for label, (source, want) in CHEATS.items()]  # fmt: skip
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -169,8 +241,9 @@ def test_a_table_of_one_grade_runs_masks_fails_the_next():
 def test_a_table_of_one_grade_runs_gradients_fails_the_next():
     import torch
 
+    raw = torch._C.TensorBase.numpy  # the key only: Tensor.numpy is switched off while the check runs
     table_cheat_fails("15", GRAD, "check_distillation_grad", torch.zeros(1), "expected a tensor of shape",
-                      key=lambda s, t, y, T, a: (s.numpy().tobytes(), t.numpy().tobytes(), T, a))  # fmt: skip
+                      key=lambda s, t, y, T, a: (raw(s).tobytes(), raw(t).tobytes(), T, a))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- torch's own versions
@@ -231,3 +304,51 @@ def test_every_way_to_differentiate_is_switched_off():
 def test_an_unfinished_exercise_stays_not_implemented(check, source):
     with pytest.raises(NotImplementedError, match="todo"):
         run_check("15", check, source)
+
+
+def test_a_near_miss_names_no_slip_that_equals_the_answer():
+    """On one row, "N times too large" is the right gradient: an answer off by 3e-10 there is told only that it
+    differs, not that it made a slip whose value is the expected one."""
+    import torch
+
+    from parallel_lab.grading.checks.compression import _mistake
+
+    ns = solution_namespace("15")
+    g = torch.Generator().manual_seed(0)
+    for n, v, T, alpha in [(1, 5, 3.0, 0.5), (4, 7, 1.0, 0.3), (3, 6, 2.5, 0.0), (5, 4, 4.0, 1.0)]:
+        s, t = (
+            torch.randn(n, v, generator=g, dtype=torch.float64),
+            torch.randn(n, v, generator=g, dtype=torch.float64),
+        )
+        y = torch.randint(v, (n,), generator=g)
+        want = ns[GRAD](s, t, y, T, alpha)
+        assert _mistake(want + 3e-10, want, s, t, y, T, alpha) == "", (n, T, alpha)
+    with pytest.raises(AssertionError) as info:
+        run_check("15", "check_distillation_grad", edit("15", GRAD, "return (soft + (1 - alpha) * hard) / n",
+                                                        "return (soft + (1 - alpha) * hard) / n + 3e-10"))  # fmt: skip
+    assert "differs from the loss's" in str(info.value) and "(" not in str(info.value).split("up to")[1]
+
+
+def test_a_gradient_by_hand_row_by_row_is_not_taken_for_a_finite_difference(capsys):
+    """The work bound leaves room for a slow hand-written gradient: a loop over the rows, softmax spelled out."""
+    run_check("15", "check_distillation_grad", SIG
+              + "    import torch\n    out = torch.empty_like(s)\n    for i in range(s.shape[0]):\n"
+              "        a = (s[i] / T).exp() / (s[i] / T).exp().sum()\n        b = (t[i] / T).exp() / (t[i] / T).exp().sum()\n"
+              "        c = s[i].exp() / s[i].exp().sum()\n        c[y[i]] = c[y[i]] - 1\n"
+              "        out[i] = (alpha * T * (a - b) + (1 - alpha) * c) / s.shape[0]\n    return out\n")  # fmt: skip
+    assert "check_distillation_grad passed" in capsys.readouterr().out
+
+
+def test_the_answers_keep_the_inputs_device():
+    """The solution and the check's reference build every tensor on the weights' device (on CUDA, a mask made on
+    the CPU and indexed by CUDA indices raises): on the meta device, every mask and gradient stays there."""
+    import torch
+
+    from parallel_lab.grading.checks.compression import _reference_masks
+
+    ns = solution_namespace("15")
+    w = {"a": torch.randn(3, 4, device="meta"), "b": torch.randn(5, device="meta")}
+    for fn in (ns[MASKS], _reference_masks):
+        assert {m.device.type for m in fn(w, 0.5).values()} == {"meta"}
+    s = torch.randn(3, 4, device="meta", dtype=torch.float64)
+    assert ns[GRAD](s, s, torch.zeros(3, dtype=torch.long, device="meta"), 2.0, 0.5).device.type == "meta"

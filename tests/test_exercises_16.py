@@ -16,7 +16,7 @@ WRONG = [
     ("no shrink of the bytes by the inner groups", edit("16", NAME, "        size /= group", "        pass"),
      "the bytes never shrink"),
     ("an all-reduce at the inner levels",
-     edit("16", NAME, "seconds += 2 * phase", "seconds += 3 * phase"), "not an all-reduce"),
+     edit("16", NAME, "seconds += 2 * phase", "seconds += 3 * phase"), "cost an all-reduce on the way in"),
     ("the latency forgotten", edit("16", NAME, "seconds, size = 0.0, nbytes", "seconds, size, alpha = 0.0, nbytes, 0.0"),
      "the latency is missing"),
     ("the latency of one flat ring",

@@ -4,23 +4,26 @@ distillation loss worked out by hand.
 `global_magnitude_masks(weights, sparsity)` (a dict of tensors of different shapes and scales) must prune the
 round(sparsity · total) weights of smallest |w| over the union of all tensors, one threshold for all: the
 masks are compared, tensor by tensor, with this module's own ranking. Every run draws the shapes, the values
-(continuous, so no two |w| are equal) and one layer 10 to 100 times smaller than another; fixed cases add
-sparsity 0 and 1, a whole tensor pruned, a 0-d and a 1-element tensor.
+(continuous, so no two |w| are equal) and one tensor 10 to 100 times smaller in scale than another; fixed
+cases add sparsity 0 and 1, a whole tensor pruned, a 0-d and a 1-element tensor.
 
 `distillation_grad(student_logits, teacher_logits, targets, temperature, alpha)` must return the gradient of
 the lesson's loss (alpha · T² · KL of the softened distributions + (1 - alpha) · cross-entropy, both averaged
 over the rows) with respect to the student's logits, without autograd: it is compared in float64, to 1e-10,
 with what autograd gives for this module's own loss, on rows, classes, T (0.5 to 8) and alpha drawn every run.
+While it runs, torch's ways to differentiate are switched off and `_Watch` refuses graphs, complex numbers,
+backward kernels and the work of a numerical derivative (see GRAD_FORBIDDEN).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 from collections.abc import Callable
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_lab.grading.checks import (
     WriteItYourself,
@@ -58,9 +61,19 @@ PRUNE_FORBIDDEN = {
 }
 
 _BY_HAND = "differentiate the loss on paper and compute the result with plain tensor operations"
+_ONE_THREAD = "run your tensor operations on the thread that calls your function: the check watches that one"
+_IN_TORCH = "keep the computation in tensor operations: the check counts them"
 #: every way to let torch differentiate: reverse mode (the engine's Python entry points), torch.func's
-#: transforms, torch.autograd.functional, forward mode; and the lab's distillation. A graph built and run
-#: through the C++ engine directly is caught by `_no_graph` below.
+#: transforms, torch.autograd.functional, forward mode; and the lab's distillation. `_Watch` below sees every
+#: aten op on the thread that calls the learner's function and refuses there: any op given a tensor that
+#: requires grad (so no graph is recorded, whatever then runs it: `Variable._execution_engine.run_backward`,
+#: which cannot be patched, a node called by hand, under the learner's own saved-tensor hooks), complex numbers
+#: (the complex-step derivative), torch's backward kernels (aten's *_backward ops, autograd's own formulas),
+#: and more work than a gradient by hand needs (a finite difference evaluates the loss at least twice per
+#: logit). Starting a thread and moving the logits to numpy or Python lists are switched off, so the watch sees
+#: the computation. Not caught: a thread started before the check, another process handed the logits (a file,
+#: a pipe), the logits read through torch's C methods (`torch._C.TensorBase.numpy`) or their storage's bytes,
+#: and the watch itself popped with torch's private dispatch calls; the check is no sandbox.
 GRAD_FORBIDDEN = {
     **family("parallel_lab.compression.distillation", instead=_BY_HAND),
     "torch.autograd.grad": _BY_HAND,
@@ -69,6 +82,14 @@ GRAD_FORBIDDEN = {
     "torch.autograd.graph._engine_run_backward": _BY_HAND,
     **family("torch.func", "torch.autograd.functional", "torch.autograd.forward_ad", instead=_BY_HAND),
     **family("torch._functorch.eager_transforms", "torch._functorch.apis", instead=_BY_HAND, missing_ok=True),
+    "threading.Thread.start": _ONE_THREAD,
+    "threading._start_new_thread": _ONE_THREAD,
+    "_thread.start_new_thread": _ONE_THREAD,
+    "_thread.start_new": _ONE_THREAD,
+    "_thread.start_joinable_thread": _ONE_THREAD,  # Python 3.13's (absent before: skipped)
+    "torch.Tensor.numpy": _IN_TORCH,
+    "torch.Tensor.tolist": _IN_TORCH,
+    "torch.Tensor.__array__": _IN_TORCH,
 }
 
 __all__ = ["check_distillation_grad", "check_global_magnitude_masks"]
@@ -79,7 +100,7 @@ def _reference_masks(weights: dict[str, torch.Tensor], sparsity: float) -> dict[
     names = list(weights)
     flat = torch.cat([weights[n].detach().abs().reshape(-1).double() for n in names])
     k = round(sparsity * flat.numel())
-    keep = torch.ones(flat.numel(), dtype=torch.bool)
+    keep = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
     keep[flat.argsort()[:k]] = False
     out, at = {}, 0
     for n in names:
@@ -121,10 +142,13 @@ def _mask_cases(seed: int) -> list[tuple[str, dict[str, torch.Tensor], float]]:
     ]
     drawn = []
     for i in range(6):
-        specs, small = [], rnd.randrange(3)
-        for j in range(rnd.randint(3, 4)):
+        specs, scales = [], [rnd.uniform(0.5, 2.0) for _ in range(rnd.randint(3, 4))]
+        small, other = rnd.sample(range(len(scales)), 2)
+        scales[small] = scales[other] / rnd.uniform(
+            10, 100
+        )  # one tensor 10 to 100 times smaller than another
+        for j, scale in enumerate(scales):
             shape = tuple(rnd.randint(1, 9) for _ in range(rnd.choice((1, 2, 2, 3))))
-            scale = rnd.uniform(0.5, 2.0) / (rnd.uniform(10, 100) if j == small else 1.0)
             specs.append((rnd.choice("abcdefgh") + f"{j}.weight", shape, scale))
         layers = _layers(g, specs)
         total = sum(w.numel() for w in layers.values())
@@ -207,41 +231,78 @@ def _grad_cases(seed: int) -> list[tuple[int, int, float, float]]:
     return fixed + drawn
 
 
-@contextlib.contextmanager
-def _no_graph(exercise: str):
-    """No autograd graph may be built while the learner's function runs: torch saves tensors for the backward
-    pass of every differentiable op it records, and the hook below refuses each."""
-
-    def pack(_):
-        raise WriteItYourself(
-            f"{exercise} asks for the gradient without autograd, which is switched off while the check runs: "
-            f"an operation recorded an autograd graph (a tensor that requires grad was used); {_BY_HAND}"
-        )
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        yield
+#: a gradient by hand reads and writes the (N, V) logits a few dozen times at most (the reference: about 12);
+#: a central difference evaluates the loss twice per logit, at least 5 passes over a row each time
+_PASSES, _SCALARS = 48, 16
 
 
-def _mistake(got: torch.Tensor, s, t, y, T: float, alpha: float) -> str:
-    """Which known slip `got` is, if any (each a different number whenever T is not 1 and 0 < alpha < 1)."""
+class _Watch(TorchDispatchMode):
+    """Sees every aten op the learner's function runs on the calling thread and refuses those a gradient by hand
+    never needs; counts the elements each op touches, and the tensors read into Python numbers one at a time."""
+
+    def __init__(self, exercise: str, rows: int, classes: int):
+        super().__init__()
+        self.exercise, self.rows, self.classes = exercise, rows, classes
+        self.work = self.scalars = 0
+
+    def refuse(self, what: str):
+        raise WriteItYourself(f"{self.exercise} asks for the gradient by hand, so {what}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if "backward" in name:
+            self.refuse(
+                f"torch's backward kernels are switched off while the check runs (aten.{name}); {_BY_HAND}"
+            )
+        ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(a.requires_grad for a in ins):
+            self.refuse(
+                f"autograd is switched off while the check runs: aten.{name} was given a tensor that requires "
+                f"grad (an autograd graph would be recorded); {_BY_HAND}"
+            )
+        out = func(*args, **kwargs)
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        if any(a.is_complex() for a in ins + outs):
+            self.refuse(f"complex numbers are refused while the check runs (aten.{name}); {_BY_HAND}")
+        # a view (a row of the logits) touches its own elements, not its base's
+        self.work += max((a.numel() for a in (outs if func.is_view else ins + outs)), default=0)
+        self.scalars += name == "_local_scalar_dense"
+        if self.work > _PASSES * self.rows * self.classes + 64 * self.classes:
+            self.refuse(
+                f"your function did more work than {_PASSES} passes over the ({self.rows}, {self.classes}) "
+                "logits, which a gradient by hand does not need: a numerical derivative is refused (a finite "
+                "difference evaluates the loss at least twice per logit); check your answer with one in a cell "
+                f"of your own, and {_BY_HAND}"
+            )
+        if self.scalars > 2 * self.rows + _SCALARS:
+            self.refuse(
+                f"reading tensors into Python numbers one at a time is refused past {2 * self.rows + _SCALARS} "
+                f"of them; {_BY_HAND}"
+            )
+        return out
+
+
+def _mistake(got: torch.Tensor, want: torch.Tensor, s, t, y, T: float, alpha: float) -> str:
+    """Which known slip `got` is, if any; a slip whose value equals the right one in this case (one row, T = 1,
+    alpha = 0 or 1) is not named."""
     n = s.shape[0]
     ps, pt, p1 = (s / T).softmax(-1), (t / T).softmax(-1), s.softmax(-1)
     hot = torch.nn.functional.one_hot(y, s.shape[1]).double()
     hard = (1 - alpha) * (p1 - hot) / n
     soft = alpha * T * (ps - pt) / n
     slips = {
-        "the soft term is T times too large: T² stays, but the chain rule through s / T divides by T": soft
-        * T
-        + hard,
-        "the soft term is T² times too small: the loss multiplies it by T²": soft / T / T + hard,
-        "the gradient is N times too large: the loss is a mean over the N rows": (soft + hard) * n,
-        "the soft term has the wrong sign: the gradient of KL(teacher ‖ student) pushes the student's "
-        "probabilities towards the teacher's": -soft + hard,
-        "the hard term uses the softened probabilities: the cross-entropy is at temperature 1": soft
+        "the soft term is off by a factor of T (too large)": soft * T + hard,
+        "the soft term is off by a factor of T² (too small)": soft / T / T + hard,
+        "the gradient is off by a factor of N, the number of rows (too large)": (soft + hard) * n,
+        "the soft term has the wrong sign: descending the KL divergence pulls the student's probabilities "
+        "towards the teacher's": -soft + hard,
+        "the hard term differs: it looks computed from the softened probabilities": soft
         + (1 - alpha) * (ps - hot) / n,
     }
     for name, value in slips.items():
-        if torch.allclose(got, value, rtol=1e-8, atol=1e-12):
+        close = torch.allclose(value, want, rtol=1e-8, atol=1e-12)
+        if not close and torch.allclose(got, value, rtol=1e-8, atol=1e-12):
             return f" ({name})"
     return ""
 
@@ -253,7 +314,7 @@ def check_distillation_grad(distillation_grad: Callable) -> None:
     guard = guarded(distillation_grad, GRAD_FORBIDDEN, exercise)
 
     def fn(*args):
-        with _no_graph(exercise):
+        with _Watch(exercise, *args[0].shape):
             return guard(*args)
 
     seed = draw_seed()  # rows, classes, T, alpha and the logits drawn afresh every grade run
@@ -281,6 +342,6 @@ def check_distillation_grad(distillation_grad: Callable) -> None:
         if not err <= 1e-10 * max(1.0, want.abs().max().item()):
             raise AssertionError(
                 f"{call}: the gradient differs from the loss's by up to {err:.3g}"
-                + _mistake(got, s, t, y, T, alpha)
+                + _mistake(got, want, s, t, y, T, alpha)
             )
     passed("check_distillation_grad", f"{len(cases)} cases, within 1e-10")

@@ -54,16 +54,13 @@ def _model(nbytes: float, levels, alpha: float, shrink=True, inner_steps=2, late
 
 
 _SLIPS = {
-    "the bytes never shrink: a level above carries only the shard its inner reduce-scatter left, not the whole "
-    "message (an all-reduce at an inner level would leave every rank the whole sum)": dict(shrink=False),
-    "an inner level is a reduce-scatter on the way in and an all-gather on the way out, not an all-reduce": dict(
+    "the bytes never shrink: every level's phases carry the whole message": dict(shrink=False),
+    "the inner levels cost an all-reduce on the way in, then an all-gather on the way out": dict(
         inner_steps=3
     ),
-    "the latency is missing: every step of every phase pays alpha": dict(latency="none"),
-    "the latency counted as one flat ring over every rank: the hierarchy's steps are those of its own phases": dict(
-        latency="flat"
-    ),
-    "every phase timed at the slowest link: each level's phase runs at its own bandwidth": dict(slowest=True),
+    "the latency is missing": dict(latency="none"),
+    "the latency is that of one flat ring over every rank": dict(latency="flat"),
+    "every phase runs at the slowest link's bandwidth": dict(slowest=True),
 }
 
 

@@ -50,6 +50,25 @@ __all__ = ["check_dominant_terms", "check_exposed_buckets", "check_mesh_groups",
 _NAMES = ("pp", "dp", "cp", "tp", "ep")
 
 
+def _number(got, where: str, what: str) -> float:
+    """A learner's number (int, float, numpy scalar or 0-d tensor) as a finite float, or the check's verdict."""
+    try:
+        value = float(got) if not isinstance(got, (bool, str, bytes)) else None
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not math.isfinite(value):
+        raise AssertionError(f"{where} must return a finite number of {what}, got {got!r}")
+    return value
+
+
+def _ints(g) -> list[int] | None:
+    """A group as a list of ints: lists, tuples, ranges, tensors and arrays all count."""
+    try:
+        return [int(x) for x in (g.tolist() if hasattr(g, "tolist") else g)]
+    except (TypeError, ValueError):
+        return None
+
+
 # ----------------------------------------------------------------------------- exercise 1: the mesh
 def _mesh_reference(sizes: dict[str, int], order: tuple[str, ...], rank: int):
     """Row-major: the last axis of `order` changes fastest (what torch.arange(n).reshape(shape) gives)."""
@@ -73,7 +92,10 @@ def _meshes(rnd: random.Random) -> list[tuple[dict[str, int], tuple[str, ...]]]:
         names = rnd.sample(_NAMES, n_axes)
         sizes = {a: rnd.randint(1, 4) for a in names}
         sizes[rnd.choice(names)] = rnd.randint(2, 5)
-        drawn.append((sizes, tuple(rnd.sample(names, n_axes))))  # the order differs from the dict's
+        order = tuple(rnd.sample(names, n_axes))
+        while order == tuple(names):  # an order that is not the dict's
+            order = tuple(rnd.sample(names, n_axes))
+        drawn.append((sizes, order))
     return fixed + drawn
 
 
@@ -93,15 +115,16 @@ def check_mesh_groups(fn: Callable[..., tuple]) -> None:
             assert ok, f"{where}: return (coords, groups), two dicts keyed by the axis names; got {got!r}"
             coords, groups = got
             want_c, want_g = _mesh_reference(sizes, order, rank)
-            got_c = {a: coords.get(a) for a in order}
+            got_c = {
+                a: (int(coords[a]) if hasattr(coords.get(a), "__index__") else coords.get(a)) for a in order
+            }
             if got_c != want_c:
                 flipped, _ = _mesh_reference(sizes, tuple(reversed(order)), rank)
                 hint = (" Those are the coordinates with the order reversed: the FIRST name of `order` is the "
                         "outermost axis (it changes slowest as the rank grows)." if got_c == flipped else "")  # fmt: skip
                 raise AssertionError(f"{where}: coords {got_c}, expected {want_c}.{hint}")
             for axis in order:
-                g = groups.get(axis)
-                g = list(g) if isinstance(g, (list, tuple, range)) else g
+                g = _ints(groups.get(axis)) if groups.get(axis) is not None else None
                 if g != want_g[axis]:
                     _, flipped = _mesh_reference(sizes, tuple(reversed(order)), rank)
                     hint = (" That is the group with the order reversed: the FIRST name of `order` is the outermost "
@@ -140,10 +163,7 @@ def check_pp_bytes(fn: Callable[..., float]) -> None:
     for b, s, h, p, v, m, tp, rank, item in cases:
         where = (f"pp_bytes(b={b}, s={s}, h={h}, stages={p}, chunks={v}, microbatches={m}, tp={tp}, rank={rank}, "
                  f"itemsize={item})")  # fmt: skip
-        got = call_learner(fn, where, b, s, h, p, v, m, tp, rank, item)
-        assert isinstance(got, (int, float)) and not isinstance(got, bool), (
-            f"{where} must return a number of bytes, got {type(got).__name__}"
-        )
+        got = _number(call_learner(fn, where, b, s, h, p, v, m, tp, rank, item), where, "bytes")
         want = _pp_reference(b, s, h, p, v, m, tp, rank, item)
         if abs(got - want) > 1e-9 * max(1, want):
             unit = b * (s // tp) * h * item
@@ -189,10 +209,7 @@ def check_exposed_buckets(fn: Callable[..., float]) -> None:
         cases.append((ready, [round(rnd.uniform(0.1, 2) * scale, 3) for _ in range(n)], end))
     for ready, comm, end in cases:
         where = f"exposed_after_backward(ready={ready}, comm={comm}, backward_end={end})"
-        got = call_learner(fn, where, list(ready), list(comm), end)
-        assert isinstance(got, (int, float)) and not isinstance(got, bool), (
-            f"{where} must return a number of seconds, got {type(got).__name__}"
-        )
+        got = _number(call_learner(fn, where, list(ready), list(comm), end), where, "seconds")
         want = _queue(ready, comm, end)
         if abs(got - want) > 1e-9:
             slips = [
@@ -214,7 +231,10 @@ def check_exposed_buckets(fn: Callable[..., float]) -> None:
 LAYOUTS = {
     "A": ("GPT 1.7B under ZeRO-3 on 256 GPUs, global batch 512, micro-batch 2", "zero3_small"),
     "B": ("GPT-3 175B with tp 8, pp 48, dp 4 on 1536 GPUs, global batch 96, micro-batch 1", "deep_pp"),
-    "C": ("GPT-3 175B with tp 16 (two nodes), pp 12, dp 2 on 384 GPUs, global batch 1536", "tp16"),
+    "C": (
+        "GPT-3 175B with tp 16 (two nodes), pp 12, dp 2 on 384 GPUs, global batch 1536 in micro-batches of 1",
+        "tp16",
+    ),
     "D": ("GPT 1.7B with pp 8, dp 4 on 32 GPUs, global batch 512, micro-batch 1", "pp_small"),
 }
 TERMS = ("memory", "bubble", "tp_comm", "pp_comm", "dp_comm")

@@ -85,3 +85,56 @@ def table_cheat_fails(lesson: str, name: str, check: str, missing, match: str = 
             assert match in str(e), e
             return
     pytest.fail(f"{tries} grade run(s) in a row drew only cases one earlier run's table held")
+
+
+@functools.cache
+def package_sources(package: str = "torch") -> tuple[tuple[str, str], ...]:
+    """(dotted module, source text) of every .py file of an installed package, read once per test process:
+    the tests that search torch for its own versions of an exercise share one read (about 46 MB)."""
+    import importlib.util
+
+    root = Path(importlib.util.find_spec(package).origin).parent
+    return tuple(
+        (".".join(f.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"),
+         f.read_text(encoding="utf-8", errors="ignore"))
+        for f in sorted(root.rglob("*.py"))
+    )  # fmt: skip
+
+
+def functions_doing(job, package: str = "torch", skip=("testing", "test")) -> dict[str, list[str]]:
+    """{module: names} of the definitions `job` (a compiled regex whose group 1 is the name) finds in a
+    package, leaving out test code: modules with a part named in `skip`, or whose last part starts with "test"."""
+    found: dict[str, list[str]] = {}
+    for module, text in package_sources(package):
+        parts = module.split(".")
+        if any(p in skip for p in parts) or parts[-1].startswith("test"):
+            continue
+        names = [m.group(1) for m in job.finditer(text)]
+        if names:
+            found.setdefault(module, []).extend(names)
+    return found
+
+
+def not_switched_off(found: dict[str, list[str]], off: dict[str, str]) -> dict[str, list[str]]:
+    """The names of `found` (module -> names) that no key of `off` (dotted targets) switches off."""
+    missing = {m: [n for n in names if not any(k.startswith(m + ".") and n in k.split(".") for k in off)]
+               for m, names in found.items()}  # fmt: skip
+    return {m: names for m, names in missing.items() if names}
+
+
+def passes_with_one_line(lesson: str, check: str, capsys) -> None:
+    """The reference solution passes `check`, printing exactly one line (`check passed...`) and nothing on stderr."""
+    run_check(lesson, check)
+    out, err = capsys.readouterr()
+    lines = [ln for ln in out.splitlines() if ln.startswith("check_")]
+    assert lines == [lines[0]] and lines[0].startswith(f"{check} passed") and not err, (out, err)
+
+
+def fails_saying(lesson: str, check: str, label: str, source: str, want: str) -> str:
+    """The learner's cell `source` fails `check` with `want` in the message; returns the message."""
+    import pytest
+
+    with pytest.raises(AssertionError) as info:
+        run_check(lesson, check, source)
+    assert want in str(info.value), f"{label}: {info.value}"
+    return str(info.value)

@@ -7,10 +7,19 @@ from __future__ import annotations
 
 import hashlib
 import re
-from pathlib import Path
 
 import pytest
-from solution_code import _check_cell, edit, run_check, solution_namespace, table_cheat_fails
+from solution_code import (
+    _check_cell,
+    edit,
+    fails_saying,
+    functions_doing,
+    not_switched_off,
+    passes_with_one_line,
+    run_check,
+    solution_namespace,
+    table_cheat_fails,
+)
 
 CHECKS = ["check_average_gradients", "check_assign_buckets", "check_ddp_grad_hook", "check_ddp_recv_bytes"]
 P = "import torch\nimport torch.distributed as dist\nfrom parallel_lab import comms\n"
@@ -191,17 +200,12 @@ def test_other_right_answers_pass(check, label, source, capsys):
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_the_solution_passes_with_one_line(check, capsys):
-    run_check("03", check)
-    out, err = capsys.readouterr()
-    lines = [ln for ln in out.splitlines() if ln.startswith("check_")]
-    assert lines == [lines[0]] and lines[0].startswith(f"{check} passed") and not err
+    passes_with_one_line("03", check, capsys)
 
 
 @pytest.mark.parametrize(("check", "label", "source", "want"), WRONG, ids=[w[1] for w in WRONG])
 def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
-    with pytest.raises(AssertionError) as info:
-        run_check("03", check, source)
-    assert want in str(info.value), f"{label}: {info.value}"
+    fails_saying("03", check, label, source, want)
 
 
 # ----------------------------------------------------------------------------- cases drawn at grade time
@@ -333,26 +337,13 @@ JOB = re.compile(
 def test_torchs_own_versions_of_an_exercise_are_switched_off():
     """torch's functions that do an exercise's job (found by name in torch's source, its tests left out) are all
     in the checks' switched-off list: a new torch that adds one fails here, not in a learner's notebook."""
-    import torch
 
     from parallel_lab.grading.checks import data_parallel
 
-    root = Path(torch.__file__).parent
     off = data_parallel.FORBIDDEN
-    found: dict[str, list[str]] = {}
-    for f in root.rglob("*.py"):
-        if "testing" in f.relative_to(root).parts:
-            continue
-        text = f.read_text(encoding="utf-8", errors="ignore")
-        module = ".".join(f.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
-        for match in JOB.finditer(text):
-            found.setdefault(module, []).append(match.group(1))
+    found = functions_doing(JOB, skip=("testing",))
     assert "torch.nn.parallel.distributed" in found, "the search finds nothing: torch's layout changed"
-    missing = {
-        m: [n for n in names if not any(k.startswith(m + ".") and n in k.split(".") for k in off)]
-        for m, names in found.items()
-    }
-    missing = {m: names for m, names in missing.items() if names}
+    missing = not_switched_off(found, off)
     assert not missing, f"torch functions doing an exercise's job, not switched off: {missing}"
     # and torch's C++ reducer and bucket assignment, which have no Python source to find
     for name in ("Reducer", "_compute_bucket_assignment_by_size"):

@@ -5,11 +5,19 @@ reference is an enumeration, checked here against a sampled routing."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from solution_code import _check_cell, edit, run_check, solution_namespace, table_cheat_fails
+from solution_code import (
+    _check_cell,
+    edit,
+    fails_saying,
+    functions_doing,
+    passes_with_one_line,
+    run_check,
+    solution_namespace,
+    table_cheat_fails,
+)
 
 CHECKS = ["check_route_groups", "check_dispatch_top2", "check_expected_rows"]
 
@@ -86,17 +94,12 @@ WRONG = [
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_the_solution_passes_with_one_line(check, capsys):
-    run_check("11", check)
-    out, err = capsys.readouterr()
-    lines = [ln for ln in out.splitlines() if ln.startswith("check_")]
-    assert lines == [lines[0]] and lines[0].startswith(f"{check} passed") and not err
+    passes_with_one_line("11", check, capsys)
 
 
 @pytest.mark.parametrize(("check", "label", "source", "want"), WRONG, ids=[w[1] for w in WRONG])
 def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
-    with pytest.raises(AssertionError) as info:
-        run_check("11", check, source)
-    assert want in str(info.value), f"{label}: {info.value}"
+    fails_saying("11", check, label, source, want)
 
 
 def test_the_expected_rows_match_a_sampled_routing():
@@ -139,16 +142,10 @@ def test_a_table_of_one_runs_expectations_fails_the_next():
 def test_torchs_own_versions_of_an_exercise_are_switched_off():
     """torch has no MoE router or token dispatcher of its own (searched by name): a release that adds one
     fails here, and its module joins the check's switched-off list."""
-    root = Path(torch.__file__).parent
     job = re.compile(
         r"^\s*(?:class|def) (\w*(?:MoE|Moe|TokenDispatch|ExpertParallel|expert_capacity)\w*)\b", re.M
     )
-    found = {}
-    for f in root.rglob("*.py"):
-        text = f.read_text(encoding="utf-8", errors="ignore")
-        if "testing" in f.parts or "test" in f.stem or not job.search(text):
-            continue
-        found[".".join(f.relative_to(root.parent).with_suffix("").parts)] = job.findall(text)
+    found = functions_doing(job)
     assert not found, f"torch functions doing an exercise's job, not switched off: {found}"
 
 

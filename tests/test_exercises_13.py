@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 import pytest
-from solution_code import _check_cell, edit, run_check, solution_namespace, table_cheat_fails
+from solution_code import (
+    _check_cell,
+    edit,
+    fails_saying,
+    functions_doing,
+    not_switched_off,
+    passes_with_one_line,
+    run_check,
+    solution_namespace,
+    table_cheat_fails,
+)
 
 CHECKS = ["check_commit_checkpoint", "check_elastic_sampler", "check_best_interval"]
 
@@ -341,17 +350,12 @@ WRONG = [
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_the_solution_passes_with_one_line(check, capsys):
-    run_check("13", check)
-    out, err = capsys.readouterr()
-    lines = [ln for ln in out.splitlines() if ln.startswith("check_")]
-    assert lines == [lines[0]] and lines[0].startswith(f"{check} passed") and not err
+    passes_with_one_line("13", check, capsys)
 
 
 @pytest.mark.parametrize(("check", "label", "source", "want"), WRONG, ids=[w[1] for w in WRONG])
 def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
-    with pytest.raises(AssertionError) as info:
-        run_check("13", check, source)
-    assert want in str(info.value), f"{label}: {info.value}"
+    fails_saying("13", check, label, source, want)
 
 
 @pytest.mark.parametrize("label", list(RIGHT))
@@ -519,25 +523,13 @@ JOB = re.compile(
 def test_torchs_own_versions_of_an_exercise_are_switched_off():
     """torch's functions that do an exercise's job (found by name in torch's source) are all in the checks'
     switched-off lists: a new torch that adds one fails here, not in a learner's notebook."""
-    import torch
 
     from parallel_lab.grading.checks import resilience
 
-    root = Path(torch.__file__).parent
     off = {**resilience.CHECKPOINT_FORBIDDEN, **resilience.SAMPLER_FORBIDDEN, **resilience.INTERVAL_FORBIDDEN}
-    found = {}
-    for f in root.rglob("*.py"):
-        text = f.read_text(encoding="utf-8", errors="ignore")
-        if not JOB.search(text) or "testing" in f.parts or "test" in f.stem:
-            continue
-        module = ".".join(f.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
-        found.setdefault(module, []).extend(m.group(1) for m in JOB.finditer(text))
+    found = functions_doing(JOB)
     assert "torch.utils.data.distributed" in found, "the search finds nothing: torch's layout changed"
-    missing = {
-        m: [n for n in names if not any(k.startswith(m + ".") and n in k.split(".") for k in off)]
-        for m, names in found.items()
-    }
-    missing = {m: names for m, names in missing.items() if names}
+    missing = not_switched_off(found, off)
     assert not missing, f"torch functions doing an exercise's job, not switched off: {missing}"
 
 

@@ -4,12 +4,21 @@ the rounding reference equals torch's E5M2 cast and torchao's MX casts."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from solution_code import _check_cell, edit, run_check, solution_namespace
+from solution_code import (
+    _check_cell,
+    edit,
+    fails_saying,
+    functions_doing,
+    passes_with_one_line,
+    run_check,
+    solution_namespace,
+)
 
 CHECKS = ["check_round_float", "check_ef_sign", "check_smallest_margin"]
 
@@ -77,17 +86,12 @@ WRONG = [
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_the_solution_passes_with_one_line(check, capsys):
-    run_check("18", check)
-    out, err = capsys.readouterr()
-    lines = [ln for ln in out.splitlines() if ln.startswith("check_")]
-    assert lines == [lines[0]] and lines[0].startswith(f"{check} passed") and not err
+    passes_with_one_line("18", check, capsys)
 
 
 @pytest.mark.parametrize(("check", "label", "source", "want"), WRONG, ids=[w[1] for w in WRONG])
 def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
-    with pytest.raises(AssertionError) as info:
-        run_check("18", check, source)
-    assert want in str(info.value), f"{label}: {info.value}"
+    fails_saying("18", check, label, source, want)
 
 
 def test_torchs_vendored_mx_helpers_are_switched_off_where_they_import():
@@ -194,30 +198,15 @@ JOB = re.compile(
 )
 
 
-def _jobs(root: Path) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = {}
-    for f in root.rglob("*.py"):
-        text = f.read_text(encoding="utf-8", errors="ignore")
-        if not JOB.search(text) or "testing" in f.parts or "test" in f.stem or "benchmarks" in f.parts:
-            continue
-        module = ".".join(f.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
-        found.setdefault(module, []).extend(m.group(1) for m in JOB.finditer(text))
-    return found
-
-
 def test_torchs_own_versions_of_an_exercise_are_switched_off():
     """torch's (and, where installed, torchao's) functions that round to small formats or compress gradients are
     in the checks' switched-off lists: a new release that adds one fails here, not in a learner's notebook."""
     from parallel_lab.grading.checks import fewer_bytes as fb
 
-    found = _jobs(Path(torch.__file__).parent)
+    found = functions_doing(JOB)
     assert "torch.distributed.algorithms.ddp_comm_hooks.default_hooks" in found, "the search finds nothing"
-    try:
-        import torchao
-
-        found.update(_jobs(Path(torchao.__file__).parent))
-    except ImportError:
-        pass
+    if importlib.util.find_spec("torchao") is not None:
+        found.update(functions_doing(JOB, "torchao", skip=("testing", "test", "benchmarks")))
     covered = (*fb.TORCH_ROUNDING, *fb.TORCHAO_ROUNDING, *fb.EF_FORBIDDEN_MODULES)
     missing = {m: names for m, names in found.items() if m not in covered}
     assert not missing, f"functions doing an exercise's job, not switched off: {missing}"

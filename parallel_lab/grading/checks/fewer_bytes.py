@@ -207,7 +207,9 @@ def check_ef_sign(fn: Callable) -> None:
     rnd = random.Random(draw_seed())  # sizes, learning rates and gradients drawn afresh every grade run
     g = torch.Generator().manual_seed(rnd.randrange(2**31))
     for d in (1, 7, rnd.randint(20, 500)):
-        lr = rnd.choice((1.0, 0.1, round(rnd.uniform(0.001, 0.5), 4)))
+        lr = (
+            1.0 if d == 1 else rnd.choice((0.1, round(rnd.uniform(0.001, 0.5), 4)))
+        )  # lr != 1 shows where it goes
         residual = torch.zeros(d, dtype=torch.float64)
         applied = torch.zeros(d, dtype=torch.float64)
         total = torch.zeros(d, dtype=torch.float64)

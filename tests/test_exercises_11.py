@@ -32,7 +32,7 @@ def dispatch_top2(ctx, x, expert_ids, gates, experts):
         owner = expert_ids[:, c] // L
         rows = [(owner == q).nonzero().flatten() for q in range(p)]
         meta = [torch.stack([expert_ids[r, c].to(x.dtype), gates[r, c]], 1) for r in rows]
-        counts = comms.all_to_all(ctx, [torch.tensor([len(r)]) for r in rows])
+        counts = comms.all_to_all(ctx, [torch.tensor([len(r)], device=x.device) for r in rows])
         n = [int(k) for k in counts]
         gx, gm = all_to_all_v(ctx, [x[r] for r in rows], n), all_to_all_v(ctx, meta, n)
         out = []
@@ -75,7 +75,7 @@ WRONG = [
      "gate x expert"),
     ("check_dispatch_top2", "the whole batch to everybody",
      "import torch\nfrom parallel_lab import comms\ndef dispatch_top2(ctx, x, expert_ids, gates, experts):\n"
-     "    counts = comms.all_to_all(ctx, [torch.tensor([x.shape[0]])] * ctx.world_size)\n"
+     "    counts = comms.all_to_all(ctx, [torch.tensor([x.shape[0]], device=x.device)] * ctx.world_size)\n"
      "    return x\n", "differs"),
     ("check_dispatch_top2", "wraps the lab's expert-parallel layer",
      "from parallel_lab.moe import expert_parallel as ep\ndef dispatch_top2(ctx, x, expert_ids, gates, experts):\n"
@@ -102,6 +102,19 @@ def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
     fails_saying("11", check, label, source, want)
 
 
+def test_the_expected_rows_are_an_enumeration_of_every_k_subset():
+    """The check's closed form against the definition: the mean, over every k-subset of experts, of the other
+    ranks it touches (this rank is rank 0)."""
+    import itertools
+
+    from parallel_lab.grading.checks.moe import _expected_rows
+
+    for E, p, k in [(4, 2, 2), (6, 3, 2), (8, 4, 3), (12, 4, 4), (12, 6, 1), (9, 3, 9)]:
+        subsets = list(itertools.combinations(range(E), k))
+        mean = sum(len({e // (E // p) for e in s} - {0}) for s in subsets) / len(subsets)
+        assert abs(float(_expected_rows(E, p, k)) - mean) < 1e-12, (E, p, k)
+
+
 def test_the_expected_rows_match_a_sampled_routing():
     """The enumeration is what a large uniform routing measures: 8 experts on 4 ranks, top-2."""
     from parallel_lab.grading.checks.moe import _expected_rows
@@ -109,7 +122,7 @@ def test_the_expected_rows_match_a_sampled_routing():
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(20_000)])
     sampled = sum(len({int(e) // 2 for e in row} - {0}) for row in ids) / len(ids)
-    assert abs(sampled - _expected_rows(8, 4, 2)) < 0.02  # 0.005 standard error
+    assert abs(sampled - _expected_rows(8, 4, 2)) < 0.02  # about 0.004 standard error
 
 
 def _run(ns: dict, check: str) -> None:

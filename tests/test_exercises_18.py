@@ -46,6 +46,24 @@ WRONG = [
     ("check_round_float", "torchao's own rounding, imported inside",
      "def round_float(x, exp_bits, man_bits, ieee):\n    from torchao.prototype.custom_fp_utils import "
      "_f32_to_floatx_unpacked\n    return x\n", "switched off"),
+    ("check_round_float", "torchao's rounding loaded from its file",
+     "import importlib.util, os, torch\n"
+     "def round_float(x, exp_bits, man_bits, ieee):\n"
+     "    spec = importlib.util.find_spec('torchao')\n"
+     "    path = os.path.join(spec.submodule_search_locations[0], 'prototype', 'custom_fp_utils.py')\n"
+     "    m = importlib.util.module_from_spec(importlib.util.spec_from_file_location('fp_utils', path))\n"
+     "    m.__spec__.loader.exec_module(m)\n"
+     "    return m._floatx_unpacked_to_f32(m._f32_to_floatx_unpacked(x, exp_bits, man_bits), exp_bits, man_bits)\n",
+     "switched off"),
+    ("check_round_float", "near-ties treated as ties",
+     edit("18", "round_float", "    r = torch.round(a / spacing) * spacing  # torch.round sends halves to even",
+          "    q = a / spacing\n    frac = q - torch.floor(q)\n"
+          "    near = (frac - 0.5).abs() < 1e-5\n"
+          "    r = torch.where(near, torch.round(torch.floor(q) + 0.5), torch.round(q)) * spacing"), "expected"),
+    ("check_round_float", "torch's cast on a thread of its own",
+     "import threading, torch\ndef round_float(x, exp_bits, man_bits, ieee):\n    out = []\n"
+     "    t = threading.Thread(target=lambda: out.append(x.to(torch.float8_e5m2).float()))\n"
+     "    t.start(); t.join()\n    return out[0]\n", "switched off"),
     # ---- exercise 2: ef_sign_step
     ("check_ef_sign", "no residual", edit("18", "ef_sign_step", "p = lr * grad + residual", "p = lr * grad"),
      "ignores the residual"),

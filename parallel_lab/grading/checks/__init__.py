@@ -270,7 +270,7 @@ def call_learner(fn: Any, where: str, *args: Any) -> Any:
     except NotImplementedError:
         raise
     except AssertionError as e:
-        raise AssertionError(f"{where}: {e or 'an assert in your function failed'}") from None
+        raise AssertionError(f"{where}: {str(e) or 'an assert in your function failed'}") from None
     except Exception as e:
         raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e}") from e
 

@@ -1,9 +1,9 @@
 """Checks for lesson 18's exercises: rounding to any small float format, error feedback for scaled-sign
 compression, and the smallest margin that keeps delayed scaling from saturating.
 
-`check_round_float(fn)`: `fn(x, exp_bits, man_bits, ieee)` is compared bit for bit with the nearest value of
-the format (ties to the even code) on every value of it, the midpoints between neighbours, their neighbours,
-subnormals and values beyond the largest (saturated without infinities, ``ieee=False`` as in the OCP MX
+`check_round_float(fn)`: `fn(x, exp_bits, man_bits, ieee)` is compared exactly (-0 and +0 count as one) with the
+nearest value of the format (ties to the even code) on every value of it, the midpoints between neighbours, the
+float32 values just beside them, subnormals and values beyond the largest (saturated without infinities, ``ieee=False`` as in the OCP MX
 formats; ±inf from largest + half a step on, ``ieee=True``), for the MX formats FP4 E2M1, FP6 E3M2 and E2M3,
 E5M2, and three formats drawn afresh every grade run. No float tensor narrower than 32 bits may be made while
 it runs (torch's casts would do the rounding), and the lab's, torch's and torchao's rounding helpers are
@@ -96,6 +96,47 @@ def _no_imports(*prefixes: str) -> Iterator[None]:
         sys.meta_path.remove(finder)
 
 
+_ONE_THREAD = "round on the thread that calls your function: the check watches that one"
+#: a new thread would escape the dispatch mode (modes are per thread): switched off while round_float runs
+THREADS_OFF = {
+    "threading.Thread.start": _ONE_THREAD,
+    "threading._start_new_thread": _ONE_THREAD,
+    "_thread.start_new_thread": _ONE_THREAD,
+    "_thread.start_new": _ONE_THREAD,
+    "_thread.start_joinable_thread": _ONE_THREAD,
+}
+
+
+def _rounding_dirs() -> tuple[str, ...]:
+    """Folders whose code rounds to small formats: torchao's and torch's vendored quack."""
+    import importlib.util
+    import os
+
+    dirs = [os.path.join(os.path.dirname(torch.__file__), "_vendor", "quack")]
+    spec = importlib.util.find_spec("torchao")
+    if spec is not None and spec.submodule_search_locations:
+        dirs += list(spec.submodule_search_locations)
+    return tuple(os.path.realpath(d) + os.sep for d in dirs)
+
+
+@contextmanager
+def _no_code_from(dirs: tuple[str, ...], what: str) -> Iterator[None]:
+    """Refuses any call into code from `dirs` (however it was loaded: by import or by file path)."""
+    import os
+
+    def tracer(frame, event, arg):
+        if event == "call" and os.path.realpath(frame.f_code.co_filename).startswith(dirs):
+            raise AssertionError(f"{frame.f_code.co_filename} is switched off while this check runs: {what}")
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
 def _loaded(*modules: str) -> dict[str, str]:
     """`family` of the modules already imported (an import of one of the others is refused while checks run)."""
     return {k: v for m in modules if m in sys.modules for k, v in family(m).items()}
@@ -137,23 +178,37 @@ def _probe_values(e: int, m: int, ieee: bool, g: torch.Generator) -> torch.Tenso
     drawn = torch.exp(
         torch.empty(512, dtype=torch.float64).uniform_(math.log(v[1] / 4), math.log(2 * v[-1]), generator=g)
     )
-    pos = torch.cat([v, mids, mids.nextafter(inf), mids.nextafter(-inf), edge, drawn]).float()
+    m32 = mids.float()  # beside each tie by one float32 step: the inputs are float32
+    inf32 = inf.float()
+    pos = torch.cat(
+        [v.float(), m32, m32.nextafter(inf32), m32.nextafter(-inf32), edge.float(), drawn.float()]
+    )
     return torch.cat([pos, -pos])
 
 
 def check_round_float(fn: Callable) -> None:
     """`fn(x, exp_bits, man_bits, ieee)` -> float32 tensor of the nearest value of each x in the format."""
     require_callable(fn, "round_float")
-    targets = {**FORBIDDEN, **family(*TORCH_ROUNDING, missing_ok=True), **_loaded(*TORCHAO_ROUNDING)}
+    targets = {
+        **FORBIDDEN,
+        **family(*TORCH_ROUNDING, missing_ok=True),
+        **_loaded(*TORCHAO_ROUNDING),
+        **THREADS_OFF,
+    }
     fn = guarded(fn, targets, "this exercise (round_float)")
     rnd = random.Random(draw_seed())  # three formats and their probes drawn afresh every grade run
     g = torch.Generator().manual_seed(rnd.randrange(2**31))
+    dirs = _rounding_dirs()
     formats = list(NAMED) + [(rnd.randint(2, 5), rnd.randint(1, 4), rnd.random() < 0.5) for _ in range(3)]
     for e, m, ieee in formats:
         x = _probe_values(e, m, ieee, g)
         want = _round_reference(x, e, m, ieee)
         where = f"round_float(x, exp_bits={e}, man_bits={m}, ieee={ieee})"
-        with _NoNarrowFloats(), _no_imports("torchao"):
+        with (
+            _NoNarrowFloats(),
+            _no_imports("torchao"),
+            _no_code_from(dirs, "the exercise asks for your own rounding"),
+        ):
             got = call_learner(fn, where, x.clone(), e, m, ieee)
         assert isinstance(got, torch.Tensor) and got.shape == x.shape, (
             f"{where}: return a tensor of the input's shape {tuple(x.shape)}; got "
@@ -189,7 +244,7 @@ def check_round_float(fn: Callable) -> None:
                 why = f"with {m} mantissa bits there are {2**m} values per power of two"
             raise AssertionError(f"{where}: x = {xv!r} gave {gv!r}, expected {wv!r} ({int(bad.sum())} of {x.numel()} "
                                  f"values differ): {why}")  # fmt: skip
-    passed("check_round_float", "FP4 E2M1, FP6 E3M2 and E2M3, E5M2 and three drawn formats, bit for bit")
+    passed("check_round_float", "FP4 E2M1, FP6 E3M2 and E2M3, E5M2 and three drawn formats, exactly")
 
 
 # ----------------------------------------------------------------------------- exercise 2: scaled sign
@@ -197,6 +252,15 @@ def _ef_reference(grad: torch.Tensor, residual: torch.Tensor, lr: float):
     p = lr * grad + residual
     delta = p.abs().sum() / p.numel() * torch.sign(p)
     return delta, p - delta
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor, p: torch.Tensor, tol: float) -> str:
+    """Where a step's tensor first differs: the entry, p there, what came back and what was expected."""
+    if got.shape != want.shape:
+        return f"has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    i = int(((got - want).abs() > tol).nonzero()[0])
+    zero = " (p is exactly 0 there: sign(0) = 0)" if p[i] == 0 else ""
+    return f"differs first at entry {i}, where p = {float(p[i]):.6g}: got {float(got[i]):.12g}, expected {float(want[i]):.12g}{zero}"
 
 
 def check_ef_sign(fn: Callable) -> None:
@@ -246,17 +310,19 @@ def check_ef_sign(fn: Callable) -> None:
                 hint = next(
                     (t for x, t in slips if x.shape == delta.shape and (delta - x).abs().max() <= tol), ""
                 )
-                # a probe tells apart two slips that agree wherever sign(p) = sign(grad): here p = [1, -2]
-                one, probe = torch.ones(2, dtype=torch.float64), None
-                with contextlib.suppress(Exception):
-                    probe = fn(one, torch.tensor([0.0, -3.0], dtype=torch.float64), 1.0)[0].double().tolist()
-                if probe == [1.0, 1.0]:
-                    hint = slips[3][1]
-                elif probe == [1.0, -1.0]:
-                    hint = slips[0][1]
-                raise AssertionError(f"{where}: delta differs from the expected one by up to "
-                                     f"{float((delta - w_delta).abs().max()):.3g}. {hint}".rstrip())  # fmt: skip
+                if hint in (slips[0][1], slips[3][1]):
+                    # the two agree wherever sign(p) = sign(grad): a probe with p = [1, -2] tells them apart
+                    one, probe = torch.ones(2, dtype=torch.float64), None
+                    with contextlib.suppress(Exception):
+                        probe = (
+                            fn(one, torch.tensor([0.0, -3.0], dtype=torch.float64), 1.0)[0].double().tolist()
+                        )
+                    hint = {(1.0, 1.0): slips[3][1], (1.0, -1.0): slips[0][1]}.get(tuple(probe or ()), "")
+                raise AssertionError(
+                    f"{where}: delta {_first_difference(delta, w_delta, p, tol)}. {hint}".rstrip()
+                )
             if new.shape != w_new.shape or (new - w_new).abs().max() > tol:
+                p = lr * grad + residual
                 hint = ""
                 if (new - (grad + residual - delta)).abs().max() <= tol and lr != 1.0:
                     hint = (
@@ -267,8 +333,9 @@ def check_ef_sign(fn: Callable) -> None:
                     hint = "the residual keeps what the scaled sign did not carry: p minus delta, not p minus sign(p)."
                 elif new.abs().max() <= tol:
                     hint = "the residual must keep what was not sent; zeroing it loses it."
-                raise AssertionError(f"{where}: new_residual differs from the expected one by up to "
-                                     f"{float((new - w_new).abs().max()):.3g}. {hint}".rstrip())  # fmt: skip
+                raise AssertionError(
+                    f"{where}: new_residual {_first_difference(new, w_new, p, tol)}. {hint}".rstrip()
+                )
             applied += delta
             total += lr * grad
             residual = w_new

@@ -409,14 +409,10 @@ def _draw_packing(rnd: random.Random) -> tuple[int, int, list[int]]:
 _MISTAKES = {
     "zigzag": (
         "that is the causal zigzag (chunk r with chunk 2N-1-r), the pairing that balances a mask causal over "
-        "the whole sequence; under a document mask a query sees only its own document, so a chunk's work "
-        "restarts at every document start and no longer grows with its position"
+        "the whole sequence; under a document mask a query sees only its own document"
     ),
     "contiguous": "each rank holds two neighbouring chunks (2r and 2r+1), which pairs no heavy chunk with a light one",
-    "strided": (
-        "your pairing follows the chunks' positions (chunk r with chunk N + r), not their work: measure each "
-        "chunk's visible pairs under the document mask first"
-    ),
+    "strided": ("your pairing follows the chunks' positions (chunk r with chunk N + r)"),
 }
 #: named on any case (they speak of the chunks ordered by work, not by position)
 _SORTED_MISTAKES = {

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from solution_code import _check_cell, edit, run_check, solution_namespace
+from solution_code import _check_cell, edit, fails_saying, passes_with_one_line, run_check, solution_namespace
 
 HEAD = (
     "import torch\ndef merge_remote(acc, m, l, out_b, lse_b):\n    m_new = torch.maximum(m, lse_b)\n"
@@ -167,19 +167,14 @@ WRONG = [
 
 @pytest.mark.parametrize("check", ["check_merge_remote", "check_balanced_chunks"])
 def test_the_solution_passes_with_one_line(check, capsys):
-    run_check("17", check)
-    out, err = capsys.readouterr()
-    lines = [ln for ln in out.splitlines() if ln.startswith("check_")]
-    assert lines == [lines[0]] and lines[0].startswith(f"{check} passed") and not err
+    passes_with_one_line("17", check, capsys)
 
 
 @pytest.mark.parametrize(("check", "label", "source", "want"), WRONG, ids=[w[1] for w in WRONG])
 def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
-    with pytest.raises(AssertionError) as info:
-        run_check("17", check, source)
-    assert want in str(info.value), f"{label}: {info.value}"
+    message = fails_saying("17", check, label, source, want)
     if "not blamed on position" in label:
-        assert "position" not in str(info.value).split("doc_lens=[64])", 1)[1], str(info.value)
+        assert "position" not in message.split("doc_lens=[64])", 1)[1], message
 
 
 @pytest.mark.parametrize("label", list(RIGHT))

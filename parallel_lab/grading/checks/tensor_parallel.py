@@ -526,16 +526,22 @@ def check_vocab_parallel_embedding(Fn: Any) -> None:
 def _ring_rows(ctx, name: str, blocks: list[torch.Tensor], gather: bool) -> None:
     """The lab's ring reduce-scatter (or all-gather) on blocks of whole tokens, in place: `blocks` are
     the (rows_k, h) slices of one (n, h) tensor, rank k's tokens being block k. comms.ring_reduce_scatter
-    cuts the flat tensor by elements, which splits a token when p does not divide n."""
-    from parallel_lab.comms.core import TracedOp
-    from parallel_lab.comms.ring import _ring_all_gather, _ring_reduce_scatter
-
-    with TracedOp(ctx, name, blocks[0], None) as o:
-        flat = [b.view(-1) for b in blocks]
-        if o.p > 1 and gather:
-            _ring_all_gather(o, flat)
-        elif o.p > 1:
-            flat[o.me].copy_(_ring_reduce_scatter(o, flat, "sum", inplace=False))
+    cuts the flat tensor by elements, which splits a token when p does not divide n; the steps here are the
+    ring's (comms/ring.py), on these blocks, through the lab's traced exchange."""
+    with comms.TracedOp(ctx, name, blocks[0], None) as o:
+        p, me, flat = o.p, o.me, [b.view(-1) for b in blocks]
+        right, left = (me + 1) % p, (me - 1) % p
+        if p > 1 and gather:  # at step s rank r forwards block r-s and receives block r-s-1 in place
+            for s in range(p - 1):
+                o.xchg(flat[(me - s) % p], right, flat[(me - s - 1) % p], left, "all-gather", tag=o.steps)
+        elif p > 1:  # at step s rank r sends its partial sum of block r-s-1 and adds in block r-s-2
+            acc = flat[(me - 1) % p].clone()
+            for s in range(p - 1):
+                k = (me - s - 2) % p
+                got = torch.empty_like(flat[k])
+                o.xchg(acc, right, got, left, "reduce-scatter", tag=o.steps)
+                acc = flat[k] + got
+            flat[me].copy_(acc)
 
 
 class _RefSequenceParallelEmbedding(torch.autograd.Function):

@@ -6,9 +6,15 @@ the same bubble, at most p micro-batches in flight) and interleaved 1F1B (Naraya
 2021: v chunks per rank, bubble (p-1)/(v*m+p-1)). The same lists are validated, simulated,
 drawn and executed. Beside it: torch.distributed.pipelining in the tests.
 
+Lesson 19 (first part): the backward split into B (input gradient) and W (weight gradients),
+and the zero-bubble ZB-H1 / ZB-H2 (Qi et al. 2024): validated and simulated (paper's bubble
+rate beside the idle share). The executor does not split B from W yet, so configs and scripts
+take the four schedules it runs (`SCHEDULES`); `SIMULATED_SCHEDULES` adds the zero-bubble ones.
+
 Read in this order:
   simulator.py  the instruction set (Step), the validator, the simulator
   schedules.py  naive, GPipe, 1F1B, interleaved 1F1B as instruction lists
+  zero_bubble.py  B split from W; ZB-H1 and ZB-H2, compared with torch's zero-bubble schedule
   stages.py     a model cut into p * v virtual stages
   executor.py   the instruction lists run on real ranks (optionally inside DP x PP)
   viz.py        drawing schedules; comparing with torch's
@@ -19,3 +25,4 @@ from parallel_lab.pipeline.schedules import *  # noqa: F403
 from parallel_lab.pipeline.simulator import *  # noqa: F403
 from parallel_lab.pipeline.stages import *  # noqa: F403
 from parallel_lab.pipeline.viz import *  # noqa: F403
+from parallel_lab.pipeline.zero_bubble import *  # noqa: F403

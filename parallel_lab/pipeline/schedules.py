@@ -6,7 +6,9 @@ p-s-1 forwards, stage s alternates one forward and one backward, so it never hol
 more than p micro-batches' activations); interleaved 1F1B (Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", §2.2: each rank holds v model chunks, virtual stage c*p + r, which
-cuts the bubble by v at the cost of v times more messages).
+cuts the bubble by v at the cost of v times more messages). The zero-bubble ZB-H1 and
+ZB-H2 (Qi et al. 2024, split backward: B then W) live in `pipeline/zero_bubble.py` and are
+registered here by name.
 
 A schedule is `list[list[Step]]`: one list per pipeline rank, executed in order by
 `pipeline.executor` on real ranks and by `simulate` here. Compute steps are `F`/`B`
@@ -16,11 +18,12 @@ before the F that consumes it, `SEND_F` just after the F that made it, `RECV_B` 
 for its message. Rank r's chunk c is virtual stage c*p + r.
 
 Invariant (`validate_schedule` checks it, for any p, m, v): every (micro-batch,
-chunk) has exactly one F and one B on its rank, F first; every send has exactly one
+chunk) has exactly one F and one B on its rank, F first (and, in a schedule that uses W,
+exactly one W after its B); every send has exactly one
 matching receive on the right peer and vice versa, and each link receives in the order
 it sends; the lists run to the end without deadlock; no rank ever holds more
-activations in flight (F done, B not yet) than the schedule's bound
-`max_in_flight(name, p, m, v)`: m for GPipe, p for 1F1B.
+activations in flight (F done, B not yet; W not yet when split) than the schedule's bound
+`max_in_flight(name, p, m, v)`: m for GPipe, p for 1F1B and ZB-H1, 2p-1 for ZB-H2.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from parallel_lab.pipeline.simulator import (
     SimResult,
     Step,
     _pos,
+    add_comms,
     check_blocking_sends,
     p2p_batches,
     simulate,
@@ -39,7 +43,7 @@ from parallel_lab.pipeline.simulator import (
 )
 
 __all__ = [
-    "COMMS", "COMPUTE", "SCHEDULES", "ScheduleError", "SimResult", "Step", "add_comms", "check_blocking_sends",
+    "COMMS", "COMPUTE", "SCHEDULES", "SIMULATED_SCHEDULES", "ScheduleError", "SimResult", "Step", "add_comms", "check_blocking_sends",
     "make_schedule", "p2p_batches",
     "max_in_flight", "order_1f1b", "order_gpipe", "order_interleaved", "schedule_1f1b", "schedule_gpipe",
     "schedule_interleaved_1f1b", "schedule_naive", "simulate", "validate_schedule",
@@ -80,33 +84,6 @@ def order_interleaved(stage: int, stages: int, microbatches: int, chunks: int) -
 
 
 # ----------------------------------------------------------------------------- with communication
-def add_comms(orders: list[list[Step]], chunks: int = 1) -> list[list[Step]]:
-    """Insert RECV before and SEND after each compute step that needs them (virtual stage c*p + r)."""
-    p = len(orders)
-    last = p * chunks - 1
-    out = []
-    for r, order in enumerate(orders):
-        steps: list[Step] = []
-        for s in order:
-            vs = s.chunk * p + r
-            if s.kind == "F":
-                if vs > 0:
-                    steps.append(Step("RECV_F", s.mb, s.chunk, (r - 1) % p))
-                steps.append(s)
-                if vs < last:
-                    steps.append(Step("SEND_F", s.mb, s.chunk, (r + 1) % p))
-            elif s.kind == "B":
-                if vs < last:
-                    steps.append(Step("RECV_B", s.mb, s.chunk, (r + 1) % p))
-                steps.append(s)
-                if vs > 0:
-                    steps.append(Step("SEND_B", s.mb, s.chunk, (r - 1) % p))
-            else:
-                raise ScheduleError(f"add_comms takes compute steps (F/B) only, got {s!r} on rank {r}")
-        out.append(steps)
-    return out
-
-
 def schedule_naive(stages: int) -> list[list[Step]]:
     """Naive model parallelism: the whole batch goes through the stages one after the other."""
     return schedule_gpipe(stages, 1)
@@ -140,7 +117,10 @@ def schedule_interleaved_1f1b(stages: int, microbatches: int, chunks: int = 2) -
     return add_comms([order_interleaved(r, p, m, v) for r in range(p)], v)
 
 
+#: the schedules the executor runs on real ranks (configs and scripts take these)
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+#: and the split-backward ones the validator and simulator take too; the executor does not split B from W yet
+SIMULATED_SCHEDULES = (*SCHEDULES, "zb-h1", "zb-h2")
 
 
 def make_schedule(name: str, stages: int, microbatches: int = 1, chunks: int = 1) -> list[list[Step]]:
@@ -155,7 +135,11 @@ def make_schedule(name: str, stages: int, microbatches: int = 1, chunks: int = 1
         return schedule_1f1b(stages, microbatches)
     if name == "interleaved":
         return schedule_interleaved_1f1b(stages, microbatches, chunks)
-    raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    if name in ("zb-h1", "zb-h2"):
+        from parallel_lab.pipeline import zero_bubble as zb  # it builds on this module: imported when asked
+
+        return (zb.schedule_zb_h1 if name == "zb-h1" else zb.schedule_zb_h2)(stages, microbatches)
+    raise ValueError(f"schedule must be one of {SIMULATED_SCHEDULES}, got {name!r}")
 
 
 def max_in_flight(name: str, stages: int, microbatches: int = 1, chunks: int = 1) -> int:
@@ -163,9 +147,10 @@ def max_in_flight(name: str, stages: int, microbatches: int = 1, chunks: int = 1
 
     naive 1; GPipe m; 1F1B min(p, m); interleaved min(v*m, (v-1)p + 2(p-1) + 1) chunk
     activations, each 1/v of a stage's: p + (p-1)/v stage activations on rank 0 (Korthikanti et al. 2022,
-    §4.2.3), 5.5 for p = 4, v = 2."""
-    if name not in SCHEDULES:
-        raise ValueError(f"name must be one of {SCHEDULES}, got {name!r}")
+    §4.2.3), 5.5 for p = 4, v = 2. ZB-H1 min(p, m), 1F1B's, and ZB-H2 min(2p-1, m) (Qi et al. 2024,
+    section 2), held on every stage: a split micro-batch is in flight from its F to its W."""
+    if name not in SIMULATED_SCHEDULES:
+        raise ValueError(f"name must be one of {SIMULATED_SCHEDULES}, got {name!r}")
     for arg, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
@@ -175,6 +160,8 @@ def max_in_flight(name: str, stages: int, microbatches: int = 1, chunks: int = 1
         "gpipe": m,
         "1f1b": min(p, m),
         "interleaved": min(v * m, (v - 1) * p + 2 * (p - 1) + 1) if v > 1 else min(p, m),
+        "zb-h1": min(p, m),
+        "zb-h2": min(2 * p - 1, m),
     }[name]
 
 

@@ -6,13 +6,20 @@
 p, m, v, and that every link receives its messages in the order they were sent (so a
 backend that matches point-to-point messages by order, like NCCL, pairs them as gloo's
 tags do); `simulate` runs the lists as the executor would (sends never block,
-receives wait for their message) with unit F and B times, and gives the timeline
-and the bubble. It is also the deadlock check: a pass in which no rank can move is
-a deadlock. `check_blocking_sends` runs the lists again under NCCL's rules, where a send
+receives wait for their message) with given F, B (and W) times, and gives the timeline,
+the lab's idle share and the zero-bubble paper's bubble rate. It is also the deadlock
+check: a pass in which no rank can move is a deadlock. `check_blocking_sends` runs the lists again under NCCL's rules, where a send
 is no fire-and-forget: each rank's messages run in the order they are posted, and a
 send (a batch) completes only once its receive is posted. The executor posts each run of
 message in a batch with the others sent at the same time of a clock all ranks share
 (`p2p_batches`); one message a batch, in list order, deadlocks 1F1B's steady state.
+
+The split backward (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241):
+`B` alone is the whole backward of a (micro-batch, chunk); a schedule may instead split it
+into `B` (the gradient of the stage's input: what SEND_B carries, on the critical path) and
+`W` (the weight gradients: local, no message, free to move later). A schedule that uses W
+uses it everywhere: every (micro-batch, chunk) then has exactly one F, one B and one W on
+its rank, in that order, and holds its activations until W (W still needs them).
 
 Invariant: for GPipe, 1F1B and interleaved 1F1B (m a multiple of p) with t_comm = 0
 the simulated bubble equals (p-1)/(v*m + p-1) exactly, for any t_f and t_b.
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W")  # W: only in a split schedule, where B is the input gradient alone
 COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
@@ -31,7 +38,7 @@ class ScheduleError(ValueError):
 
 
 class Step(NamedTuple):
-    """One instruction: kind in F, B, SEND_F, RECV_F, SEND_B, RECV_B; peer is a pipeline rank (-1: none)."""
+    """One instruction: kind in F, B, W, SEND_F, RECV_F, SEND_B, RECV_B; peer is a pipeline rank (-1: none)."""
 
     kind: str
     mb: int
@@ -76,15 +83,19 @@ def validate_schedule(
 ) -> dict:
     """Check every rule of the module docstring; raise ScheduleError naming the rank and step.
 
-    Returns {"peak_in_flight": per-rank maximum of F done minus B done, "steps": count}.
+    Returns {"peak_in_flight": per-rank maximum of F done minus B done (minus W done in a split
+    schedule: activations are held until W), "split": whether B is split into B and W, "steps": count}.
     """
     m, v = _pos("microbatches", microbatches), _pos("chunks", chunks)
     if not isinstance(schedule, (list, tuple)) or not schedule:
         raise ScheduleError("schedule must be a non-empty list with one list of steps per rank")
     p, last = len(schedule), len(schedule) * v - 1
+    # all or nothing: a W anywhere means every B is the input gradient alone and needs its W
+    split = any(isinstance(s, Step) and s.kind == "W" for steps in schedule for s in steps)
+    done = "W" if split else "B"  # the step that frees a micro-batch's activations
     peaks, sends, recvs, sent_on, recv_on = [], {}, {}, {}, {}
     for r, steps in enumerate(schedule):
-        state: dict[tuple[int, int], str] = {}  # (mb, chunk) -> last event: RECV_F, F, RECV_B, B
+        state: dict[tuple[int, int], str] = {}  # (mb, chunk) -> last event: RECV_F, F, RECV_B, B, W
         sent: set[tuple[str, int, int]] = set()
         inflight = peak = 0
         for i, s in enumerate(steps):
@@ -108,7 +119,14 @@ def validate_schedule(
                 if st not in ("F", "RECV_B") or (vs < last and st != "RECV_B"):
                     need = "its forward" if st in (None, "RECV_F") else "its gradient (RECV_B)"
                     raise ScheduleError(f"{_where(r, i, s)}: backward before {need} (or a second backward)")
-                state[key], inflight = "B", inflight - 1
+                state[key], inflight = "B", inflight - (0 if split else 1)
+            elif s.kind == "W":
+                if st != "B":
+                    why = "a second W" if st == "W" else "a W before the B of its (micro-batch, chunk)"
+                    raise ScheduleError(
+                        f"{_where(r, i, s)}: {why} (split backward: F, B, then W on one rank)"
+                    )
+                state[key], inflight = "W", inflight - 1
             elif s.kind == "RECV_F":
                 if st is not None or vs == 0:
                     raise ScheduleError(f"{_where(r, i, s)}: unexpected receive of an activation")
@@ -119,7 +137,8 @@ def validate_schedule(
                 state[key] = "RECV_B"
             else:  # sends go right after the compute that made what they send
                 need, bad = ("F", vs == last) if s.kind == "SEND_F" else ("B", vs == 0)
-                if bad or (s.kind, key) in sent or (st != need and not (need == "F" and st == "RECV_B")):
+                ok = st == need or (need == "F" and st == "RECV_B") or (need == "B" and st == "W")
+                if bad or (s.kind, key) in sent or not ok:
                     raise ScheduleError(
                         f"{_where(r, i, s)}: send without its {need}, twice, or off the pipeline's end"
                     )
@@ -135,9 +154,10 @@ def validate_schedule(
                 if s.peer != r:  # the order of each link, for the FIFO check below
                     link = (r, s.peer) if s.kind.startswith("SEND") else (s.peer, r)
                     (sent_on if s.kind.startswith("SEND") else recv_on).setdefault(link, []).append(msg)
-        missing = [(k, c) for k in range(m) for c in range(v) if state.get((k, c)) != "B"]
+        missing = [(k, c) for k in range(m) for c in range(v) if state.get((k, c)) != done]
         if missing:
-            raise ScheduleError(f"rank {r}: (micro-batch, chunk) {missing[:4]} never completed F and B")
+            what = "F, B and W (a schedule that uses W needs one per B)" if split else "F and B"
+            raise ScheduleError(f"rank {r}: (micro-batch, chunk) {missing[:4]} never completed {what}")
         if any(
             k not in sent for k in [("SEND_F", b, c) for b in range(m) for c in range(v) if c * p + r < last]
         ):
@@ -160,7 +180,7 @@ def validate_schedule(
             raise ScheduleError(
                 f"link {link[0]} -> {link[1]}: messages are received in another order than sent"
             )
-    return {"peak_in_flight": peaks, "steps": sum(len(s) for s in schedule)}
+    return {"peak_in_flight": peaks, "split": split, "steps": sum(len(s) for s in schedule)}
 
 
 def p2p_batches(schedule: list[list[Step]], fused: bool = True) -> list[list[list[int]]]:
@@ -202,9 +222,9 @@ def post_plan(schedule: list[list[Step]]) -> tuple[list[list[tuple[int, list[int
 
 
 def _clock(schedule: list[list[Step]]) -> tuple[dict, list[dict[int, int]]]:
-    """Run the lists with integer times (F = 1, B = 2, messages free, so times tie exactly): when
-    each message is sent, when each compute starts. Raises ScheduleError on a deadlock."""
-    sent, spans, _ = _run(schedule, {"F": 1, "B": 2}, 0)
+    """Run the lists with integer times (F = 1, B = 2, W = 1, messages free, so times tie exactly):
+    when each message is sent, when each compute starts. Raises ScheduleError on a deadlock."""
+    sent, spans, _ = _run(schedule, {"F": 1, "B": 2, "W": 1}, 0)
     return sent, [{i: start for start, _, _, _, _, i in rank} for rank in spans]
 
 
@@ -225,29 +245,82 @@ def check_blocking_sends(schedule: list[list[Step]], fused: bool = True) -> None
         raise ScheduleError(str(e)) from None
 
 
+# ----------------------------------------------------------------------------- messages
+def add_comms(orders: list[list[Step]], chunks: int = 1) -> list[list[Step]]:
+    """Insert RECV before and SEND after each compute step that needs them (virtual stage c*p + r).
+
+    A split B sends the input gradient as an unsplit B does; W is local and gets no message."""
+    p = len(orders)
+    last = p * chunks - 1
+    out = []
+    for r, order in enumerate(orders):
+        steps: list[Step] = []
+        for s in order:
+            vs = s.chunk * p + r
+            if s.kind == "F":
+                if vs > 0:
+                    steps.append(Step("RECV_F", s.mb, s.chunk, (r - 1) % p))
+                steps.append(s)
+                if vs < last:
+                    steps.append(Step("SEND_F", s.mb, s.chunk, (r + 1) % p))
+            elif s.kind == "B":
+                if vs < last:
+                    steps.append(Step("RECV_B", s.mb, s.chunk, (r + 1) % p))
+                steps.append(s)
+                if vs > 0:
+                    steps.append(Step("SEND_B", s.mb, s.chunk, (r - 1) % p))
+            elif s.kind == "W":  # weight gradients stay on the rank: nothing to send or receive
+                steps.append(s)
+            else:
+                raise ScheduleError(f"add_comms takes compute steps (F/B/W) only, got {s!r} on rank {r}")
+        out.append(steps)
+    return out
+
+
 # ----------------------------------------------------------------------------- simulator
 class SimResult(NamedTuple):
-    """Per-rank compute spans (start, end, kind, mb, chunk), the makespan and the bubble share."""
+    """Per-rank compute spans (start, end, kind, mb, chunk), the makespan and two bubbles.
+
+    `bubble_fraction`: the lab's idle share, 1 - busy / (p * makespan). `bubble_rate`: the
+    zero-bubble paper's, (cost - m(T_F + T_B + T_W)) / cost with cost the longest time a rank
+    spends from its first compute to its last (a rank that starts late and ends late is not
+    charged for it: with the paper's post-validated optimizer step, the next iteration starts
+    on each rank as soon as that rank is done).
+    `peak_in_flight`: per rank, the most micro-batch-chunks whose F is done and whose W (B when
+    the backward is not split) is not: the activations held at once."""
 
     spans: list[list[tuple[float, float, str, int, int]]]
     makespan: float
     bubble_fraction: float
+    bubble_rate: float = 0.0
+    peak_in_flight: tuple[int, ...] = ()
 
 
 def simulate(
-    schedule: list[list[Step]], t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0, chunks: int = 1
+    schedule: list[list[Step]],
+    t_f: float = 1.0,
+    t_b: float = 2.0,
+    t_comm: float = 0.0,
+    chunks: int = 1,
+    *,
+    t_w: float = 0.0,
 ) -> SimResult:
     """Run the lists with F = t_f/v and B = t_b/v per chunk, messages arriving t_comm after their send.
 
+    `t_w`: the weight-gradient time. In a schedule that uses W, B costs t_b/v (the input
+    gradient) and W costs t_w/v. In one that does not, B is the whole backward and costs
+    (t_b + t_w)/v, so the same (t_f, t_b, t_w) compare 1F1B with a zero-bubble schedule as the
+    paper does; t_w = 0 (the default) leaves B at t_b/v, as before W existed.
     Sends never block, receives wait: each rank runs until it needs a message not yet
     sent. A full pass in which no rank moves is a deadlock (ScheduleError naming where
-    every rank is stuck). Bubble = 1 - busy time / (p * makespan).
+    every rank is stuck). Bubble = 1 - busy time / (p * makespan); `bubble_rate` is the
+    paper's (see SimResult).
     """
     import math
 
     if not isinstance(schedule, list) or not schedule:
         raise ValueError("schedule must be a non-empty list with one list of steps per stage")
-    for arg, value, lo in (("t_f", t_f, 0.0), ("t_b", t_b, 0.0), ("t_comm", t_comm, 0.0)):
+    for arg, value, lo in (("t_f", t_f, 0.0), ("t_b", t_b, 0.0), ("t_comm", t_comm, 0.0), ("t_w", t_w, 0.0)):
         if (
             isinstance(value, bool)
             or not isinstance(value, (int, float))
@@ -258,11 +331,25 @@ def simulate(
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
     p, v = len(schedule), chunks
-    _, spans, t = _run(schedule, {"F": t_f / v, "B": t_b / v}, t_comm)
+    split = any(isinstance(s, Step) and s.kind == "W" for steps in schedule for s in steps)
+    dur = {"F": t_f / v, "B": t_b / v, "W": t_w / v} if split else {"F": t_f / v, "B": (t_b + t_w) / v}
+    _, spans, t = _run(schedule, dur, t_comm)
     spans = [[span[:5] for span in rank] for rank in spans]
     makespan = max(t) if p else 0.0
     busy = sum(e - s for rank in spans for (s, e, *_) in rank)
-    return SimResult(spans, makespan, 1.0 - busy / (p * makespan) if makespan > 0 else 0.0)
+    # every rank computes m(T_F + T_B + T_W) in a pipeline schedule, so the mean busy time is that term
+    cost = max((rank[-1][1] - rank[0][0] for rank in spans if rank), default=0.0)
+    rate = 1.0 - busy / p / cost if cost > 0 else 0.0
+    peaks = []
+    for steps in schedule:  # cheap: list order is execution order on a rank
+        held = peak = 0
+        for s in steps:
+            held += 1 if s.kind == "F" else -1 if s.kind == ("W" if split else "B") else 0
+            peak = max(peak, held)
+        peaks.append(peak)
+    return SimResult(
+        spans, makespan, 1.0 - busy / (p * makespan) if makespan > 0 else 0.0, rate, tuple(peaks)
+    )
 
 
 def _run(schedule: list[list[Step]], dur: dict, t_comm: float) -> tuple[dict, list[list[tuple]], list]:

@@ -238,16 +238,24 @@ BACKWARD_THEN_RANKS = textwrap.dedent(
         torch.ones(3, requires_grad=True).sum().backward()  # a notebook's own backward, first
         res = pl.launch(f, 2, backend="gloo")
         print(res.backend, res.values)
+        # the forkserver that started them must hold no CUDA: no driver mapped, no device file open
+        from multiprocessing import forkserver
+        import os
+        pid = forkserver._forkserver._forkserver_pid
+        maps = open(f"/proc/{pid}/maps").read()
+        fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        print("server cuda:", "libcuda" in maps or any("nvidia" in f for f in fds))
     """
 )
 
 
 def test_gloo_ranks_backward_after_the_parent_ran_one():
     """On a GPU machine the parent's first backward starts autograd's per-GPU threads; ranks
-    forked after it would fail at their own backward. The launcher spawns them instead."""
+    forked after it would fail at their own backward. The launcher starts them from a forkserver instead."""
     out = _run([sys.executable, "-c", BACKWARD_THEN_RANKS])
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "gloo [4.0, 8.0]" in out.stdout, out.stdout
+    assert "server cuda: False" in out.stdout, out.stdout  # its children are as clean as spawned ones
 
 
 def test_more_ranks_than_gpus_fall_back_to_gloo():

@@ -56,7 +56,7 @@ def test_start_method(backend, threads, want):
     assert choose_start_method("auto", backend, threads) == want
 
 
-def test_nccl_spawns_even_after_the_parent_asked_is_available(monkeypatch):
+def test_nccl_never_forks_even_after_the_parent_asked_is_available(monkeypatch):
     """A notebook that called torch.cuda.is_available() has initialised the driver without
     torch.cuda.is_initialized() saying so: a forked NCCL rank would fail at its first CUDA call."""
     torch.cuda.is_available()  # what a notebook does first

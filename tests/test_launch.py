@@ -21,8 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _shared_helper(c: psutil.Process) -> bool:
-    cmd = " ".join(c.cmdline())
-    return "resource_tracker" in cmd or "forkserver" in cmd
+    """multiprocessing's own helpers, by pid (a rank forked by the forkserver shares its command line)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    return c.pid in (forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid)
 
 
 def children() -> list[psutil.Process]:
@@ -127,14 +129,14 @@ def test_forkserver_ranks_see_the_notebook_as_it_is_now(tmp_path, monkeypatch):
 
 
 def test_forkserver_ranks_die_with_the_notebook(tmp_path):
-    """A kernel killed outright: the forkserver sees its pipe close and exits, and the ranks
-    (children of the server, not of the kernel) die with it."""
+    """A kernel killed outright: its ranks (children of the forkserver, not of the kernel) die, through the
+    server's own death signal and their watch on the kernel, and the server exits too."""
     script = tmp_path / "kernel.py"
     script.write_text(
         "import os, time\n"
         "import parallel_lab as pl\n"
         "def f(ctx):\n"
-        f"    open(os.path.join({str(tmp_path)!r}, f'rank{{ctx.rank}}'), 'w').write(str(os.getpid()))\n"
+        f"    open(os.path.join({str(tmp_path)!r}, f'rank{{ctx.rank}}'), 'w').write(f'{{os.getpid()}} {{os.getppid()}}')\n"
         "    time.sleep(120)\n"
         "if __name__ == '__main__':\n"
         "    pl.launch(f, 2, start_method='forkserver', timeout=300)\n"
@@ -144,12 +146,13 @@ def test_forkserver_ranks_die_with_the_notebook(tmp_path):
         deadline = time.time() + 60
         while not all((tmp_path / f"rank{r}").exists() for r in range(2)) and time.time() < deadline:
             time.sleep(0.1)
-        pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+        pids = [int((tmp_path / f"rank{r}").read_text().split()[0]) for r in range(2)]
+        pids.append(int((tmp_path / "rank0").read_text().split()[1]))  # the forkserver
         kernel.kill()
         kernel.wait(timeout=10)
         deadline = time.time() + 10
         while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            assert time.time() < deadline, f"ranks {pids} outlived the killed kernel"
+            assert time.time() < deadline, f"ranks and server {pids} outlived the killed kernel"
             time.sleep(0.1)
     finally:
         kernel.kill()

@@ -36,11 +36,18 @@ from parallel_lab.resilience import (
 )
 
 
+def _helpers() -> tuple:
+    """multiprocessing's shared helpers, by pid (a rank forked by the forkserver shares its command line)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    return (forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid)
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers():
     yield
     left = [c for c in psutil.Process().children(recursive=True)
-            if c.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(c.cmdline()) for h in ("resource_tracker", "forkserver"))]  # fmt: skip
+            if c.status() != psutil.STATUS_ZOMBIE and c.pid not in _helpers()]  # fmt: skip
     assert not left, f"processes left behind: {[c.pid for c in left]}"
 
 

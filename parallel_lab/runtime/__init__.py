@@ -13,6 +13,7 @@ Read in this order:
   trace.py         Recorder: spans, memory samples, byte counts per rank
   context.py       Context (what a rank receives) and the launch errors
   launch.py        launch(): ranks from a notebook cell; processes.py: draining, blame, reaping
+  forkserver_init.py  the forkserver's first preload: the server dies with the notebook
   from_env.py      run_from_env / run_script: the torchrun / accelerate side
   result.py        RunResult and its Chrome/Perfetto trace file
   alloc_hook.py    torch's CPU allocator wrapped in C++ (alloc_hook.cpp): every CPU allocation, no Python per op

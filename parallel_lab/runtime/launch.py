@@ -3,8 +3,9 @@
 Ranks meet through a FileStore in a fresh temporary folder (no port to pick, so two
 notebooks launching at once never collide, and no store thread running in the
 parent when it forks: a TCPStore served from the parent hung ~3% of forked
-start-ups on a lock copied mid-use). The parent forks the ranks (fast, and forked
-children see functions defined in `__main__`, i.e. in notebook cells), streams
+start-ups on a lock copied mid-use). The parent forks the ranks where that is safe (fast, and
+forked children see functions defined in `__main__`, i.e. in notebook cells; elsewhere they come
+from a forkserver, see `choose_start_method`), streams
 their events back over one queue for live plots, and turns every way a run can go
 wrong into one clear exception in the parent.
 
@@ -39,8 +40,10 @@ from parallel_lab.runtime.result import RunResult
 #: every lesson is written for 1..8.
 MAX_WORLD_SIZE = 64
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
-# What the forkserver imports once, so every rank forked from it starts with torch and the lab loaded.
-FORKSERVER_PRELOAD = ["parallel_lab.runtime.launch"]
+# What the forkserver imports once, so every rank forked from it starts with torch, the lab and the
+# compiler stack (which a first optimizer step imports: 3 s) loaded; the first sets the server to die
+# with the kernel that started it.
+FORKSERVER_PRELOAD = ["parallel_lab.runtime.forkserver_init", "parallel_lab.runtime.launch", "torch._dynamo"]
 
 
 # ---------------------------------------------------------------------------- validation
@@ -71,6 +74,13 @@ def _check_args(fn, world_size, timeout, backend, start_method, threads) -> None
         raise ValueError(f"backend must be one of {mesh.BACKENDS}, got {backend!r}")
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    import multiprocessing as mp
+
+    if start_method != "auto" and start_method not in mp.get_all_start_methods():
+        raise ValueError(
+            f"start_method={start_method!r} is not available on this platform ({sys.platform}): use 'auto' or one "
+            f"of {tuple(mp.get_all_start_methods())}"
+        )
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
 
@@ -275,49 +285,47 @@ def _alive(pid: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Forkserved:
-    """A forkserver rank's payload: the notebook's state now, and the pickled (fn, args, kwargs)."""
+    """A forkserver rank's payload: the notebook's environment now, and the pickled (fn, args, kwargs).
 
-    state: tuple[dict[str, str], list[str], str]
+    multiprocessing already sends sys.path and the working directory with every process it starts;
+    the environment it does not: a forked rank would see the server's, as it was at the first launch."""
+
+    environ: dict[str, str]
     payload: bytes
     kernel: int  # the launching process's pid: the rank dies with it
 
 
-def _parent_state() -> tuple[dict[str, str], list[str], str]:
-    """What a rank forked from the forkserver would otherwise take from the server, not from the
-    notebook as it is now: the environment, sys.path and working directory."""
-    return dict(os.environ), list(sys.path), os.getcwd()
-
-
-def _adopt_parent_state(state: tuple[dict[str, str], list[str], str]) -> None:
-    """Variables read when torch was imported (OMP_NUM_THREADS...) keep the server's values; those
-    read later (CUDA_VISIBLE_DEVICES before CUDA starts, NCCL_*, the lab's own) take these."""
-    environ, path, cwd = state
+def _adopt_environment(environ: dict[str, str]) -> None:
+    """Variables read later than torch's import (CUDA_VISIBLE_DEVICES before CUDA starts, NCCL_*, the
+    lab's own) take the notebook's values; TORCH_DISTRIBUTED_DEBUG, read when torch.distributed was
+    imported in the server, is read again. (OMP_NUM_THREADS and the like keep the server's.)"""
     os.environ.clear()
     os.environ.update(environ)
-    sys.path[:] = path
-    os.chdir(cwd)
+    dist.set_debug_level_from_env()
 
 
 def _worker(
     rank, world_size, store_path, backend, t0, seed, threads, timeout, check_shapes, track_memory, q, payload
 ):
     _die_with_parent()
-    if isinstance(payload, _Forkserved):  # the notebook's state first, then the function
+    if isinstance(payload, _Forkserved):  # the notebook's environment first, then the function
         _die_with(payload.kernel)
-        _adopt_parent_state(payload.state)
+        _adopt_environment(payload.environ)
         payload = payload.payload
     os.environ[IN_RANK_ENV] = str(rank)
     sys.stdout = _QueueWriter(q, "stdout", rank)
     sys.stderr = _QueueWriter(q, "stderr", rank)
     sink = None
     try:
+        # Under NCCL this rank's GPU is made current before anything touches CUDA: a CUDA tensor in the
+        # arguments is rebuilt when the payload is unpickled, and would otherwise open a context on GPU 0.
+        device = mesh.device_for(backend, rank)
         if isinstance(payload, bytes):  # spawn or forkserver: the function came by value
             import cloudpickle
 
             payload = cloudpickle.loads(payload)
         fn, args, kwargs = payload
         torch.set_num_threads(threads)
-        device = mesh.device_for(backend, rank)  # under NCCL: this rank's GPU made current first
         _loopback_only()
         store = dist.FileStore(store_path, world_size)
         # The process group waits a little longer than the parent, so the parent's
@@ -398,7 +406,9 @@ def launch(
     `track_memory=True`) while the run goes, in a notebook; `live=out` (an ipywidgets
     `Output`) draws it inside that widget. `threads`: torch threads
     per rank; forked ranks use 1 (OpenMP pools do not survive fork), so asking for more
-    starts ranks with spawn instead (slower to start: each imports torch).
+    starts ranks from the forkserver instead (spawn off Linux). Ranks that do not fork from
+    the notebook do not see torch settings it changed (default dtype, deterministic flags):
+    set those inside `fn`.
     """
     import multiprocessing as mp
 
@@ -426,7 +436,7 @@ def launch(
         # Read only when the server starts (the first forkserver launch of this process).
         mpctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         # The server was started by an earlier launch: what changed here since must reach the rank.
-        payload = _Forkserved(_parent_state(), payload, os.getpid())
+        payload = _Forkserved(dict(os.environ), payload, os.getpid())
 
     _remove_stale_run_dirs()
     tmpdir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")

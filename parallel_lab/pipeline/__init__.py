@@ -7,9 +7,10 @@ the same bubble, at most p micro-batches in flight) and interleaved 1F1B (Naraya
 drawn and executed. Beside it: torch.distributed.pipelining in the tests.
 
 Lesson 19 (first part): the backward split into B (input gradient) and W (weight gradients),
-and the zero-bubble ZB-H1 / ZB-H2 (Qi et al. 2024): validated and simulated (paper's bubble
-rate beside the idle share). The executor does not split B from W yet, so configs and scripts
-take the four schedules it runs (`SCHEDULES`); `SIMULATED_SCHEDULES` adds the zero-bubble ones.
+and the zero-bubble ZB-H1 / ZB-H2 (Qi et al. 2024): validated, simulated (paper's bubble rate
+beside the idle share) and run by the executor on real ranks (`executor.SplitBackward`: B
+back-propagates to the stage's input only, W later adds the weight gradients, bit for bit
+those of the unsplit backward), so configs and scripts take them (`SCHEDULES`).
 
 Read in this order:
   simulator.py  the instruction set (Step), the validator, the simulator

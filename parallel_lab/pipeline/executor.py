@@ -3,8 +3,10 @@
 The same `list[list[Step]]` the simulator draws runs here, step by step, on a
 `TinyMLP` cut into p * v virtual stages (rank r holds chunks c = 0..v-1, virtual
 stage c*p + r; the head goes with the last one). F runs a chunk on one
-micro-batch, B back-propagates the gradient received from the next stage,
-RECV_* wait for a tagged point-to-point message, SEND_* hand one over and move on.
+micro-batch, B back-propagates the gradient received from the next stage (in a
+schedule with W steps, ZB-H1 / ZB-H2, only to the stage's input: `SplitBackward`;
+W later adds the weight gradients), RECV_* wait for a tagged point-to-point
+message, SEND_* hand one over and move on.
 Messages go out in batches planned on a clock all ranks share (`simulator.post_plan`):
 each batch holds the sends and receives of one time, posted with one
 `batch_isend_irecv`, so NCCL's blocking sends cannot deadlock (one message a batch
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.graph import GradientEdge
 
 from parallel_lab import comms
 from parallel_lab.models import build_model, make_optimizer, synthetic_batch
@@ -41,8 +44,8 @@ from parallel_lab.pipeline.stages import PipelineConfig, reference_batches, spli
 from parallel_lab.runtime.device import bind_thread, is_cuda, on_stream, side_stream, spin, used_here
 from parallel_lab.runtime.parallel_dims import ParallelDims
 
-__all__ = ["PipelineConfig", "PipelineRank", "SendReaper", "StageParts", "mlp_stage_parts", "reference_batches",
-           "split_layers", "stage_modules", "train_pipeline"]  # fmt: skip
+__all__ = ["PipelineConfig", "PipelineRank", "SendReaper", "SplitBackward", "StageParts", "mlp_stage_parts",
+           "reference_batches", "split_layers", "stage_modules", "train_pipeline"]  # fmt: skip
 
 
 class SendReaper:
@@ -84,6 +87,113 @@ class SendReaper:
         """Block until every send added so far is delivered; the reaper is done."""
         self.q.put(None)
         self.thread.join()
+
+
+class SplitBackward:
+    """One (micro-batch, chunk)'s backward in two calls: `input_grad` (B) now, `weight_grads` (W) later.
+
+    The autograd graph from `out` down is cut where the path to the stage's input `x` ends: a node
+    on that path (it leads to x) whose other edges lead only to parameters owns those parameters.
+    B runs autograd to x alone, so each owner computes its x-ward gradient and not its weight
+    gradient (the engine skips outputs nothing asked for), and a pre-hook keeps the gradient the
+    owner received. W restarts the engine at each owner with that gradient, asking for its
+    parameters only: the same kernels on the same tensors as the unsplit backward, accumulated
+    into `.grad` by the same AccumulateGrad nodes, so the gradients are equal bit for bit, and
+    nothing on the path to x runs twice (in a tensor-parallel stage, its all-reduces neither).
+
+    Two fallbacks do the whole weight backward at W instead, still exact: when x needs no
+    gradient (the first virtual stage: its input is the data, so B has nothing to do), and when
+    two owners reach one parameter (a tie inside the stage), whose gradient the engine must sum
+    in its own order. Then W re-runs the path to x too (what `backward(out, g, inputs=leaves)`
+    costs). Until W, the graph is kept (retain_graph): a split micro-batch's activations are in
+    flight from its F to its W, not to its B."""
+
+    def __init__(self, out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor):
+        self.out, self.grad, self.x = out, grad, x
+        self.owners: list[tuple] | None = None  # [(node, its params)], None: the whole backward at W
+        self.caught: dict = {}  # owner node -> the gradients it received in B
+
+    def input_grad(self) -> torch.Tensor | None:
+        """B: the gradient of the stage's input (None when the input needs none)."""
+        if not self.x.requires_grad:
+            return None
+        self.owners = _owners(self.out.grad_fn, self.x)
+        hooks = []
+        for node, _ in self.owners or ():
+            hooks.append(node.register_prehook(lambda g, node=node: self.caught.__setitem__(node, g)))
+        try:
+            (dx,) = torch.autograd.grad(self.out, [self.x], self.grad, retain_graph=True)  # (b, *act_tail)
+        finally:
+            for h in hooks:
+                h.remove()
+        return dx
+
+    def weight_grads(self) -> None:
+        """W: the weight gradients of this (micro-batch, chunk), accumulated into `.grad`; frees the graph."""
+        if self.owners is None:  # nothing split off: the whole backward, minus x
+            leaves = [t for t in _leaves(self.out.grad_fn) if t is not self.x]
+            if leaves:
+                torch.autograd.backward(self.out, self.grad, inputs=leaves)
+        else:
+            for node, params in self.owners:
+                grads = self.caught.get(node, ())
+                edges = [(GradientEdge(node, k), g) for k, g in enumerate(grads) if g is not None]
+                if edges:  # disjoint subgraphs: each call frees its own, nothing of the next owner's
+                    roots, gs = zip(*edges)
+                    torch.autograd.backward(list(roots), list(gs), inputs=params)
+        self.out = self.grad = self.x = self.owners = None
+        self.caught = {}
+
+
+def _walk(root) -> list:
+    """The autograd nodes below `root`, children before parents (iterative: deep graphs)."""
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+        elif node not in seen:
+            seen.add(node)
+            stack.append((node, True))
+            stack.extend((n, False) for n, _ in node.next_functions if n is not None and n not in seen)
+    return order
+
+
+def _is_leaf_of(node, t: torch.Tensor | None = None) -> bool:
+    return type(node).__name__ == "AccumulateGrad" and (t is None or node.variable is t)
+
+
+def _leaves(root) -> list[torch.Tensor]:
+    return [n.variable for n in _walk(root) if _is_leaf_of(n)] if root is not None else []
+
+
+def _owners(root, x: torch.Tensor) -> list[tuple] | None:
+    """[(node on the path to x, the leaves only it reaches off that path)], or None when the cut
+    is not clean (x unreachable, or a node off the path reached from two owners)."""
+    if root is None:
+        return None
+    order = _walk(root)
+    on_path: set = set()
+    for node in order:  # children first: a node leads to x when one of its children does
+        if _is_leaf_of(node, x) or any(n in on_path for n, _ in node.next_functions):
+            on_path.add(node)
+    if root not in on_path:
+        return None
+    owner_of: dict = {}
+    owners = []
+    for node in order:
+        if node not in on_path:
+            continue
+        params: list[torch.Tensor] = []
+        for child in [n for n, _ in node.next_functions if n is not None and n not in on_path]:
+            for sub in _walk(child):
+                if owner_of.setdefault(sub, node) is not node:
+                    return None  # shared below two owners: let the engine sum it
+                if _is_leaf_of(sub) and all(sub.variable is not q for q in params):
+                    params.append(sub.variable)
+        if params:
+            owners.append((node, params))
+    return owners
 
 
 class StageParts(NamedTuple):
@@ -132,6 +242,7 @@ class PipelineRank:
         full = make_schedule(cfg.schedule, self.p, self.m, self.v)
         validate_schedule(full, self.m, self.v)  # a broken list would hang or crash mid-step: refuse it first
         self.schedule = full[self.r]
+        self.split = any(s.kind == "W" for rank in full for s in rank)  # B is the input gradient alone
         plans, starts = post_plan(full)  # which messages go out together, and when (see p2p_batches)
         self.plan, self.starts = plans[self.r], starts[self.r]
         # when the first compute at or after each step starts (a RECV's batch must be out by then)
@@ -213,6 +324,10 @@ class PipelineRank:
         plan = deque(self.plan)  # this step's batches, posted in order
         loss_sum, shape = 0.0, (xs[0].shape[0], *self.act_tail)
         t_f, t_b = cfg.compute_time / self.v, 2 * cfg.compute_time / self.v
+        # split, B and W each take half of the unsplit backward's time: the step's work is unchanged, and
+        # the padded spans are the simulator's with t_f = t_b = t_w (1F1B's B then costs t_b + t_w)
+        t_b, t_w = (t_b / 2, t_b / 2) if self.split else (t_b, 0.0)
+        pending: dict[tuple[int, int], SplitBackward] = {}  # (mb, chunk) -> its W, once its B ran
         rec = ctx.recorder
         comms.dist_barrier(ctx)  # every rank starts the step together: bubbles are measured from here
         idle_from, idle_host = rec.mark(), rec.now()  # (the mark is a CUDA event on a GPU)
@@ -231,7 +346,7 @@ class PipelineRank:
 
         for i, s in enumerate(self.schedule):
             key, vs = (s.mb, s.chunk), s.chunk * p + r
-            if s.kind in ("F", "B"):
+            if s.kind in ("F", "B", "W"):
                 self._post_until(self.starts[i], plan, box, posted, shape, reaper)
                 if rec.now() > idle_host:
                     rec.add_event("bubble", "bubble", idle_from, rec.mark(), step=step)
@@ -257,15 +372,31 @@ class PipelineRank:
                 send(i, outputs[key].detach(), s.peer, self._tag(0, s.mb, vs + 1))
             elif s.kind == "RECV_B":
                 grads[key] = recv(i, s.peer, self._tag(1, s.mb, vs))
+            elif s.kind == "B" and self.split:
+                x = xs[s.mb] if vs == 0 else inputs[key]  # the first virtual stage's input is the data
+                work = pending[key] = SplitBackward(outputs.pop(key), grads.pop(key, None), x)
+
+                def bwd_input(work=work, x=x):
+                    dx = work.input_grad()  # (b, *act_tail), None on the first virtual stage
+                    if dx is not None:
+                        x.grad = dx  # SEND_B sends it, as after an unsplit backward
+                    return dx
+
+                self._compute(self._name("B", s.chunk), bwd_input, t_b, mb=s.mb, chunk=s.chunk, step=step)
             elif s.kind == "B":
                 out, g = outputs.pop(key), grads.pop(key, None)
                 self._compute(self._name("B", s.chunk), lambda out=out, g=g: out.backward(g), t_b,
                               mb=s.mb, chunk=s.chunk, step=step)  # fmt: skip
                 if cfg.dp_sync == "every_microbatch":  # the bug class: an all-reduce per micro-batch
                     self._sync_grads(list(self.mods[s.chunk].parameters()))
+            elif s.kind == "W":
+                self._compute(self._name("W", s.chunk), pending.pop(key).weight_grads, t_w,
+                              mb=s.mb, chunk=s.chunk, step=step)  # fmt: skip
+                if cfg.dp_sync == "every_microbatch":  # split, a chunk's gradients are complete after W
+                    self._sync_grads(list(self.mods[s.chunk].parameters()))
             elif s.kind == "SEND_B":
                 send(i, inputs.pop(key).grad, s.peer, self._tag(1, s.mb, vs - 1))
-            if s.kind in ("F", "B"):
+            if s.kind in ("F", "B", "W"):
                 idle_from, idle_host = rec.mark(), rec.now()
         self._post_until(float("inf"), plan, box, posted, shape, reaper)  # the last sends
         reaper.join()

@@ -117,10 +117,11 @@ def schedule_interleaved_1f1b(stages: int, microbatches: int, chunks: int = 2) -
     return add_comms([order_interleaved(r, p, m, v) for r in range(p)], v)
 
 
-#: the schedules the executor runs on real ranks (configs and scripts take these)
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
-#: and the split-backward ones the validator and simulator take too; the executor does not split B from W yet
-SIMULATED_SCHEDULES = (*SCHEDULES, "zb-h1", "zb-h2")
+#: the schedules the executor runs on real ranks (configs and scripts take these); the zero-bubble
+#: ones split each backward into B and W (`executor.SplitBackward`)
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+#: the schedules the validator and simulator take: all of the executor's, for now
+SIMULATED_SCHEDULES = SCHEDULES
 
 
 def make_schedule(name: str, stages: int, microbatches: int = 1, chunks: int = 1) -> list[list[Step]]:

@@ -58,24 +58,34 @@ def plot_schedule(
     t_b: float = 2.0,
     ax: Any = None,
     numbers: bool | None = None,
+    t_w: float | None = None,
 ):
     """Simulate schedule `name` and draw it with `plots.plot_timeline`; returns the Figure.
 
-    Each bar is one F or B; its micro-batch number is written inside when there is room
+    Each bar is one F, B or W; its micro-batch number is written inside when there is room
     (`numbers`, default: up to 40 micro-batch-chunks). The title carries the simulated bubble
-    next to the formula (p-1)/(v*m + p-1).
+    next to the formula (p-1)/(v*m + p-1); a zero-bubble schedule (B split from W) splits `t_b`
+    into B and W halves unless `t_w` is given, and names 1F1B's formula for comparison.
     """
     from parallel_lab.costmodel import pipeline_bubble_fraction
     from parallel_lab.plots import plot_timeline
 
     m = 1 if name == "naive" else microbatches
     v = chunks if name == "interleaved" else 1
-    sim = simulate(make_schedule(name, stages, m, v), t_f, t_b, chunks=v)
+    split = name.startswith("zb-")
+    if split and t_w is None:
+        t_b, t_w = t_b / 2, t_b / 2
+    sim = simulate(make_schedule(name, stages, m, v), t_f, t_b, chunks=v, t_w=t_w or 0.0)
     events = sim_events(sim, v)
+    formula = f"1F1B's formula {pipeline_bubble_fraction(stages, m, 1):.1%}" if split else (
+        f"formula {pipeline_bubble_fraction(stages, m, v):.1%}")  # fmt: skip
     title = (
-        f"{name}: p={stages}, m={m}" + (f", v={v}" if v > 1 else "")
-        + f"; bubble {sim.bubble_fraction:.1%} (formula {pipeline_bubble_fraction(stages, m, v):.1%})"
-    )  # fmt: skip
+        f"{name}: p={stages}, m={m}"
+        + (f", v={v}" if v > 1 else "")
+        + f"; bubble {sim.bubble_fraction:.1%} ({formula})"
+    )
+    if split:  # Qi et al.'s bubble rate measures each stage from its first instruction to its last
+        title += f"; the paper's bubble rate {sim.bubble_rate:.1%}"
     fig = plot_timeline(events, ax=ax, world_size=stages, title=title, color_by="name", labels=False)
     ax = fig.axes[0] if ax is None else ax
     if numbers is None:
@@ -85,7 +95,8 @@ def plot_schedule(
             if e["kind"] == "compute":
                 ax.text((e["start"] + e["end"]) / 2 * 1e3, e["rank"] + 0.25, str(e["args"]["mb"]),
                         ha="center", va="center", fontsize=7, color="white", clip_on=True)  # fmt: skip
-    ax.set_xlabel("time (units: F = 1, B = 2 per stage)")
+    units = f"F = {t_f:g}, B = {t_b:g}, W = {t_w:g}" if split else f"F = {t_f:g}, B = {t_b:g}"
+    ax.set_xlabel(f"time (units: {units} per stage)")
     ax.set_yticks([r + 0.25 for r in range(stages)])
     ax.set_yticklabels([f"stage {r}" for r in range(stages)], fontsize=8)
     return fig

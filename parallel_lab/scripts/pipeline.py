@@ -22,8 +22,10 @@ from parallel_lab.models import build_model, train_reference
 from parallel_lab.pipeline import (
     SCHEDULES,
     PipelineConfig,
+    make_schedule,
     measured_bubble,
     reference_batches,
+    simulate,
     train_pipeline,
 )
 from parallel_lab.runtime.from_env import round_up, run_script, scaled_default, script_world
@@ -43,10 +45,17 @@ def report(result, cfg: PipelineConfig, dims: ParallelDims) -> tuple[str, bool]:
     lines = [f"{'step':>4} {'pipeline loss':>14} {'single-process':>15}"]
     lines += [f"{i:>4} {a:>14.6f} {b:>15.6f}" for i, (a, b) in enumerate(zip(losses, ref))]
     bubble = min(measured_bubble(result, s) for s in range(cfg.steps))
-    lines.append(
-        f"bubble: measured {bubble:.1%} (best step), formula (p-1)/(v*m + p-1) = "
-        f"{pipeline_bubble_fraction(p, m, v):.1%}; Megatron's bubble/compute (p-1)/(v*m) = {(p - 1) / (v * m):.1%}"
-    )
+    if cfg.schedule.startswith("zb-"):  # a split backward: the executor times F, B and W alike
+        sim = simulate(make_schedule(cfg.schedule, p, m), t_f=1.0, t_b=1.0, t_w=1.0)
+        lines.append(
+            f"bubble: measured {bubble:.1%} (best step), simulated with equal F, B and W times "
+            f"{sim.bubble_fraction:.1%}; 1F1B's formula (p-1)/(m + p-1) = {pipeline_bubble_fraction(p, m, 1):.1%}"
+        )
+    else:
+        lines.append(
+            f"bubble: measured {bubble:.1%} (best step), formula (p-1)/(v*m + p-1) = "
+            f"{pipeline_bubble_fraction(p, m, v):.1%}; Megatron's bubble/compute (p-1)/(v*m) = {(p - 1) / (v * m):.1%}"
+        )
     for r, c in enumerate(result.comm_bytes):
         lines.append(
             f"rank {r}: sent {c['sent']:,} B "

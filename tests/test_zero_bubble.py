@@ -307,6 +307,68 @@ def test_split_backward_b_computes_no_weight_gradient_and_w_equals_the_whole_bac
     assert mods[0][0].linear.weight.grad is None and sum(len(ps) for _, ps in owners) == 3
 
 
+def test_b_runs_only_the_input_matmuls_and_w_only_the_weight_ones():
+    """Counted at the dispatcher on a middle stage of two Linears: B runs one matmul per Linear (the
+    input's), W one per Linear (the weight's), together what one whole backward runs."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parallel_lab.models import MLPConfig, build_model
+    from parallel_lab.pipeline import SplitBackward, stage_modules
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mm = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.mm += func.__name__.split(".")[0] in ("mm", "addmm", "bmm")
+            return func(*args, **(kwargs or {}))
+
+    mods, _ = stage_modules(build_model(MLPConfig(16, 64, 4, 8), seed=0), 4, 1, 1)
+    x, g = torch.randn(4, 64, requires_grad=True), torch.randn(4, 64)
+    work = SplitBackward(mods[0](x), g, x)
+    with Count() as in_b:
+        work.input_grad()
+    with Count() as in_w:
+        work.weight_grads()
+    whole_x = x.detach().requires_grad_()
+    with Count() as whole:
+        mods[0](whole_x).backward(g)
+    whole.mm -= 2  # the forward's two matmuls, counted inside that mode too
+    assert (in_b.mm, in_w.mm, whole.mm) == (2, 2, 4)
+
+
+def test_a_python_function_on_the_graph_makes_w_run_the_whole_backward():
+    """A Python autograd Function that owns a parameter computes every gradient it returns: splitting
+    at it would run its backward (and any collective inside) in B and again in W, so the split falls
+    back, still exact. (Tensor parallelism's f and g take no parameter: the 3D test keeps them split.)"""
+    import torch
+    import torch.nn as nn
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g * w, (g * x).sum(0)
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.w = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            return Scale.apply(self.lin(x), self.w)
+
+    owners, _ = _split_vs_whole(Stage(), torch.randn(3, 8, requires_grad=True), torch.randn(3, 8))
+    assert owners is None
+
+
 def _merged_np(result, key):
     out = {}
     for v in result.values:
@@ -365,6 +427,8 @@ def test_zero_bubble_in_three_d_equals_1f1b_bit_for_bit():
     for a, b in zip(runs["1f1b"].values, runs["zb-h2"].values):
         assert a["losses"] == b["losses"]
         assert all(np.array_equal(a[k][n], b[k][n]) for k in ("grads", "params") for n in a[k])
+    # and W repeats no collective: every rank sends what it sends under 1F1B, byte for byte
+    assert [c["sent"] for c in runs["1f1b"].comm_bytes] == [c["sent"] for c in runs["zb-h2"].comm_bytes]
 
 
 def test_zb_h2_holds_more_activations_than_zb_h1_on_the_first_stage():

@@ -101,12 +101,21 @@ class SplitBackward:
     into `.grad` by the same AccumulateGrad nodes, so the gradients are equal bit for bit, and
     nothing on the path to x runs twice (in a tensor-parallel stage, its all-reduces neither).
 
-    Two fallbacks do the whole weight backward at W instead, still exact: when x needs no
-    gradient (the first virtual stage: its input is the data, so B has nothing to do), and when
-    two owners reach one parameter (a tie inside the stage), whose gradient the engine must sum
-    in its own order. Then W re-runs the path to x too (what `backward(out, g, inputs=leaves)`
-    costs). Until W, the graph is kept (retain_graph): a split micro-batch's activations are in
-    flight from its F to its W, not to its B."""
+    The skipping holds for torch's built-in nodes only: a Python autograd Function computes every
+    gradient its backward returns. One on the path that takes no parameter (tensor parallelism's
+    f and g, whose backward is a collective) runs once, in B; one that owns parameters (a custom
+    layer, a recomputed segment) would run in B and again in W. Three fallbacks do the whole weight
+    backward at W instead, still exact: when x needs no gradient (the first virtual stage: its input
+    is the data, so B has nothing to do), when two owners reach one parameter (a tie inside the
+    stage), whose gradient the engine must sum in its own order, and when an owner is a Python
+    Function. Then W re-runs the path to x too (what `backward(out, g, inputs=leaves)` costs),
+    collectives on it included (every rank of a group does the same: they still match).
+
+    Memory: until W the graph is kept (retain_graph), so a split micro-batch's saved activations are
+    in flight from its F to its W, not to its B, and W also holds the gradient each owner received
+    in B (one tensor of the owner's output shape per owner: for a Linear, (b, s, out)). That is more
+    than the weight gradients alone need: a stage past its B holds more per micro-batch than 1F1B
+    does, which the paper's memory argument (W needs less than B) does not count on."""
 
     def __init__(self, out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor):
         self.out, self.grad, self.x = out, grad, x
@@ -126,6 +135,8 @@ class SplitBackward:
         finally:
             for h in hooks:
                 h.remove()
+        if self.owners is not None:  # W restarts at the owners: the output and its gradient are done with
+            self.out = self.grad = None
         return dx
 
     def weight_grads(self) -> None:
@@ -191,6 +202,8 @@ def _owners(root, x: torch.Tensor) -> list[tuple] | None:
                     return None  # shared below two owners: let the engine sum it
                 if _is_leaf_of(sub) and all(sub.variable is not q for q in params):
                     params.append(sub.variable)
+        if params and isinstance(node, torch.autograd.function.BackwardCFunction):
+            return None  # a Python Function owner computes its weights' gradients in B as well
         if params:
             owners.append((node, params))
     return owners

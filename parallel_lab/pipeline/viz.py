@@ -23,7 +23,7 @@ TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B
 
 
 def sim_events(sim: SimResult, chunks: int = 1, unit_s: float = 1e-3) -> list[dict]:
-    """Timeline events of a simulation: "F"/"B" (with ".c<chunk>" when chunks > 1) and "bubble" gaps."""
+    """Timeline events of a simulation: "F"/"B"/"W" (with ".c<chunk>" when chunks > 1) and "bubble" gaps."""
     events = []
     for r, spans in enumerate(sim.spans):
         t = 0.0
@@ -95,7 +95,8 @@ def plot_schedule(
             if e["kind"] == "compute":
                 ax.text((e["start"] + e["end"]) / 2 * 1e3, e["rank"] + 0.25, str(e["args"]["mb"]),
                         ha="center", va="center", fontsize=7, color="white", clip_on=True)  # fmt: skip
-    units = f"F = {t_f:g}, B = {t_b:g}, W = {t_w:g}" if split else f"F = {t_f:g}, B = {t_b:g}"
+    # an unsplit B is the whole backward: with t_w given it lasts t_b + t_w (the simulator's rule)
+    units = f"F = {t_f:g}, B = {t_b:g}, W = {t_w:g}" if split else f"F = {t_f:g}, B = {t_b + (t_w or 0.0):g}"
     ax.set_xlabel(f"time (units: {units} per stage)")
     ax.set_yticks([r + 0.25 for r in range(stages)])
     ax.set_yticklabels([f"stage {r}" for r in range(stages)], fontsize=8)
@@ -169,7 +170,7 @@ def measured_bubble(result: Any, step: int | None = None) -> float:
 def peak_activation(result: Any, step: int | None = None) -> list[int]:
     """Per rank, the most "activation" bytes seen in any memory sample (of `step`, default all steps).
 
-    Samples are taken at every span boundary (each F and B), so the peak right after a
+    Samples are taken at every span boundary (each F, B and W), so the peak right after a
     forward is seen. Needs a run launched with track_memory=True.
     """
     if not result.memory:

@@ -6,11 +6,18 @@ Paper: Qi, Wan, Huang, Lin 2024, "Zero Bubble Pipeline Parallelism" (arXiv 2401.
 (needed only by the optimizer step: it can wait). 1F1B runs them as one, so every stage waits
 T_B + T_W per hop for the gradient; split, it waits T_B, and W fills the idle time.
 
-ZB-H1 (section 2.1) is 1F1B (warm-up of p-s-1 forwards on stage s) with the first s W's of
-stage s delayed: every stage holds at most p micro-batches (F done, W not yet), 1F1B's peak on
-stage 0, and the delayed W's fill the cool-down. ZB-H2 (section 2.2) doubles both: 2(p-s-1)
-warm-up forwards and 2s delayed W's, so every stage holds 2p-1 micro-batches and, with
-m >= 2p-1, never waits (the timeline is a parallelogram, not a trapezoid).
+ZB-H1 (section 2.1) is 1F1B (warm-up of p-s-1 forwards on stage s) with each W of stage s run s
+backwards after its B: every stage holds at most p micro-batches (F done, W not yet), 1F1B's
+count on stage 0, and the last s W's fill the cool-down. ZB-H2 (section 2.2) doubles both:
+2(p-s-1) warm-up forwards and each W 2s backwards late, so every stage holds 2p-1 micro-batches
+and, with m >= 2p-1, no stage waits between its first instruction and its last (the timeline is
+a parallelogram, not a trapezoid). That is the paper's bubble rate, measured per stage: the
+stages still start one after another and end one after another, so the idle share of a step
+that ends with a flush (the lab's executor: a barrier, then the optimizer) is ZB-H1's again.
+Taking that too needs the next step to start on each stage as soon as it ends, which the paper
+gets by validating the optimizer step after the fact (its section 4); the lab does not.
+Memory counts micro-batches: in bytes, the lab's split keeps more per micro-batch between B and W
+than 1F1B keeps (see executor.SplitBackward).
 
 Invariant (tests/test_zero_bubble.py checks it with the simulator, t_comm = 0): with bubble
 the paper's cost - m(T_F + T_B + T_W), cost the longest time a stage spends from its first
@@ -68,7 +75,7 @@ def _check(stage: int, stages: int, microbatches: int) -> tuple[int, int, int]:
 
 
 def order_zb_h1(stage: int, stages: int, microbatches: int) -> list[Step]:
-    """ZB-H1 on one stage: 1F1B's p-s-1 warm-up forwards, its first s W's delayed to the end.
+    """ZB-H1 on one stage: 1F1B's p-s-1 warm-up forwards, each W s backwards after its B.
 
     Stage s then holds at most p micro-batches (F done, W not), as stage 0 of 1F1B does: the
     memory the paper keeps. Same order as torch's ScheduleInterleavedZeroBubble on one stage."""
@@ -78,9 +85,10 @@ def order_zb_h1(stage: int, stages: int, microbatches: int) -> list[Step]:
 
 def order_zb_h2(stage: int, stages: int, microbatches: int) -> list[Step]:
     """ZB-H2 on one stage: 2(p-s-1) warm-up forwards (plus the first steady one: 2(p-s)-1 before
-    the first B, the time its gradient takes to come back), its first 2s W's delayed to the end.
+    the first B, the time its gradient takes to come back), each W 2s backwards after its B.
 
-    Every stage holds up to 2p-1 micro-batches; with m >= 2p-1 and equal F, B, W no stage waits."""
+    Every stage holds up to 2p-1 micro-batches; with m >= 2p-1 and equal F, B, W no stage waits
+    between its first instruction and its last."""
     s, p, m = _check(stage, stages, microbatches)
     return _delayed_w(m, 2 * (p - s - 1), 2 * s)
 
@@ -99,6 +107,7 @@ def schedule_zb_h1(stages: int, microbatches: int) -> list[list[Step]]:
 
 
 def schedule_zb_h2(stages: int, microbatches: int) -> list[list[Step]]:
-    """ZB-H2 with communication: up to 2p-1 micro-batches in flight, no bubble when T_F = T_B = T_W."""
+    """ZB-H2 with communication: up to 2p-1 micro-batches in flight; with T_F = T_B = T_W and m >= 2p-1,
+    a bubble rate of zero (per stage, first instruction to last)."""
     p, m = _pos("stages", stages), _pos("microbatches", microbatches)
     return add_comms([order_zb_h2(r, p, m) for r in range(p)])

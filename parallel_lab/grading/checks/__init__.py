@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import re
 import warnings
 from collections.abc import Iterator
@@ -273,6 +274,25 @@ def call_learner(fn: Any, where: str, *args: Any) -> Any:
         raise AssertionError(f"{where}: {str(e) or 'an assert in your function failed'}") from None
     except Exception as e:
         raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e}") from e
+
+
+def threads_off(why: str) -> dict[str, str]:
+    """`unavailable` targets that keep the learner's function on the calling thread: dispatch modes and
+    autograd hooks a check sets are per thread, so a new thread would escape them."""
+    names = ("threading.Thread.start", "threading._start_new_thread", "_thread.start_new_thread", "_thread.start_new",
+             "_thread.start_joinable_thread")  # the last is Python 3.13's (absent before: skipped)  # fmt: skip
+    return dict.fromkeys(names, why)
+
+
+def finite_number(got: Any, where: str, what: str) -> float:
+    """A learner's number (int, float, Fraction, numpy scalar or 0-d tensor) as a finite float, or the verdict."""
+    try:
+        value = float(got) if not isinstance(got, (bool, str, bytes)) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise AssertionError(f"{where} must return a finite number of {what}, got {got!r}")
+    return value
 
 
 def passed(check: str, detail: str = "") -> None:

@@ -33,6 +33,7 @@ from parallel_lab.grading.checks import (
     guarded,
     passed,
     require_callable,
+    threads_off,
 )
 
 _PRUNE = "rank the magnitudes of all the tensors yourself"
@@ -82,11 +83,7 @@ GRAD_FORBIDDEN = {
     "torch.autograd.graph._engine_run_backward": _BY_HAND,
     **family("torch.func", "torch.autograd.functional", "torch.autograd.forward_ad", instead=_BY_HAND),
     **family("torch._functorch.eager_transforms", "torch._functorch.apis", instead=_BY_HAND, missing_ok=True),
-    "threading.Thread.start": _ONE_THREAD,
-    "threading._start_new_thread": _ONE_THREAD,
-    "_thread.start_new_thread": _ONE_THREAD,
-    "_thread.start_new": _ONE_THREAD,
-    "_thread.start_joinable_thread": _ONE_THREAD,  # Python 3.13's (absent before: skipped)
+    **threads_off(_ONE_THREAD),
     "torch.Tensor.numpy": _IN_TORCH,
     "torch.Tensor.tolist": _IN_TORCH,
     "torch.Tensor.__array__": _IN_TORCH,

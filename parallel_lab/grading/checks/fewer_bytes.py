@@ -33,7 +33,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from parallel_lab.grading.checks import call_learner, draw_seed, family, guarded, passed, require_callable
+from parallel_lab.grading.checks import (
+    call_learner,
+    draw_seed,
+    family,
+    guarded,
+    passed,
+    require_callable,
+    threads_off,
+)
 
 FORBIDDEN = family("parallel_lab.precision.fp8", "parallel_lab.precision.fp8_linear")
 #: torch's and torchao's own rounding to small formats (torchao is switched off only where it is loaded:
@@ -98,13 +106,7 @@ def _no_imports(*prefixes: str) -> Iterator[None]:
 
 _ONE_THREAD = "round on the thread that calls your function: the check watches that one"
 #: a new thread would escape the dispatch mode (modes are per thread): switched off while round_float runs
-THREADS_OFF = {
-    "threading.Thread.start": _ONE_THREAD,
-    "threading._start_new_thread": _ONE_THREAD,
-    "_thread.start_new_thread": _ONE_THREAD,
-    "_thread.start_new": _ONE_THREAD,
-    "_thread.start_joinable_thread": _ONE_THREAD,
-}
+THREADS_OFF = threads_off(_ONE_THREAD)
 
 
 def _rounding_dirs() -> tuple[str, ...]:

@@ -31,6 +31,7 @@ from parallel_lab.grading.checks import (
     call_learner,
     draw_seed,
     family,
+    finite_number,
     guarded,
     launch_learner,
     passed,
@@ -267,13 +268,7 @@ def check_expected_rows(fn: Callable) -> None:
             cases.append((E, p, k))
     for E, p, k in cases:
         where = f"expected_rows(experts={E}, ranks={p}, k={k})"
-        raw = call_learner(fn, where, E, p, k)
-        try:
-            got = float(raw) if not isinstance(raw, (bool, str, bytes)) else math.nan
-        except (TypeError, ValueError):
-            got = math.nan
-        if not math.isfinite(got):
-            raise AssertionError(f"{where} must return a finite number of rows, got {raw!r}")
+        got = finite_number(call_learner(fn, where, E, p, k), where, "rows")
         want = float(_expected_rows(E, p, k))
         if abs(got - want) > 1e-9 * want:
             L = E // p

@@ -25,7 +25,15 @@ import math
 import random
 from collections.abc import Callable
 
-from parallel_lab.grading.checks import call_learner, draw_seed, family, guarded, passed, require_callable
+from parallel_lab.grading.checks import (
+    call_learner,
+    draw_seed,
+    family,
+    finite_number,
+    guarded,
+    passed,
+    require_callable,
+)
 
 MESH_FORBIDDEN = {
     **family("parallel_lab.runtime.parallel_dims"),
@@ -48,17 +56,6 @@ PLANNER_FORBIDDEN = {**family("parallel_lab.costmodel.planner", "parallel_lab.co
 __all__ = ["check_dominant_terms", "check_exposed_buckets", "check_mesh_groups", "check_pp_bytes"]
 
 _NAMES = ("pp", "dp", "cp", "tp", "ep")
-
-
-def _number(got, where: str, what: str) -> float:
-    """A learner's number (int, float, numpy scalar or 0-d tensor) as a finite float, or the check's verdict."""
-    try:
-        value = float(got) if not isinstance(got, (bool, str, bytes)) else None
-    except (TypeError, ValueError):
-        value = None
-    if value is None or not math.isfinite(value):
-        raise AssertionError(f"{where} must return a finite number of {what}, got {got!r}")
-    return value
 
 
 def _ints(g) -> list[int] | None:
@@ -163,7 +160,7 @@ def check_pp_bytes(fn: Callable[..., float]) -> None:
     for b, s, h, p, v, m, tp, rank, item in cases:
         where = (f"pp_bytes(b={b}, s={s}, h={h}, stages={p}, chunks={v}, microbatches={m}, tp={tp}, rank={rank}, "
                  f"itemsize={item})")  # fmt: skip
-        got = _number(call_learner(fn, where, b, s, h, p, v, m, tp, rank, item), where, "bytes")
+        got = finite_number(call_learner(fn, where, b, s, h, p, v, m, tp, rank, item), where, "bytes")
         want = _pp_reference(b, s, h, p, v, m, tp, rank, item)
         if abs(got - want) > 1e-9 * max(1, want):
             unit = b * (s // tp) * h * item
@@ -209,7 +206,7 @@ def check_exposed_buckets(fn: Callable[..., float]) -> None:
         cases.append((ready, [round(rnd.uniform(0.1, 2) * scale, 3) for _ in range(n)], end))
     for ready, comm, end in cases:
         where = f"exposed_after_backward(ready={ready}, comm={comm}, backward_end={end})"
-        got = _number(call_learner(fn, where, list(ready), list(comm), end), where, "seconds")
+        got = finite_number(call_learner(fn, where, list(ready), list(comm), end), where, "seconds")
         want = _queue(ready, comm, end)
         if abs(got - want) > 1e-9:
             slips = [

@@ -6,9 +6,9 @@ the same bubble, at most p micro-batches in flight) and interleaved 1F1B (Naraya
 2021: v chunks per rank, bubble (p-1)/(v*m+p-1)). The same lists are validated, simulated,
 drawn and executed. Beside it: torch.distributed.pipelining in the tests.
 
-Lesson 19 (first part): the backward split into B (input gradient) and W (weight gradients),
-and the zero-bubble ZB-H1 / ZB-H2 (Qi et al. 2024): validated, simulated (paper's bubble rate
-beside the idle share) and run by the executor on real ranks (`executor.SplitBackward`: B
+Lesson 19: the backward split into B (input gradient) and W (weight gradients), and the
+zero-bubble ZB-H1 / ZB-H2 (Qi et al. 2024): validated, simulated (the paper's bubble rate beside
+the idle share) and run by the executor on real ranks (`executor.SplitBackward`: B
 back-propagates to the stage's input only, W later adds the weight gradients, bit for bit
 those of the unsplit backward), so configs and scripts take them (`SCHEDULES`).
 

@@ -79,14 +79,16 @@ def comm_op(name: str) -> str | None:
 
 # Forward and backward keep their colours in every lesson (DP, ZeRO, pipeline, 3D, recompute),
 # as shades of the compute blue, so "compute" still reads as one family next to comm's orange.
-# Interleaved pipelines draw chunk c in the c-th shade.
+# Interleaved pipelines draw chunk c in the c-th shade. A zero-bubble pipeline's W (weight gradients,
+# split from B) is gold: it is the block that moves.
 PHASE_COLORS: dict[str, tuple[str, ...]] = {
     "forward": ("#4C72B0", "#86A3D6", "#B9CBEA", "#2E4A7D"),
     "backward": ("#2A7F7F", "#5FB3B3", "#9ED3D3", "#174D4D"),
     "recompute": ("#8172B3", "#A99DD1", "#CFC8E8", "#54478A"),
+    "weight gradients": ("#B8860B", "#D9B54A", "#EBD58F", "#7A5A07"),  # a pipeline's W, split from its B
 }
 _PHASE_NAMES = {"f": "forward", "fwd": "forward", "forward": "forward", "b": "backward",
-                "bwd": "backward", "backward": "backward", "recompute": "recompute"}  # fmt: skip
+                "bwd": "backward", "backward": "backward", "recompute": "recompute", "w": "weight gradients"}  # fmt: skip
 
 
 def phase_color(name: str) -> str | None:

@@ -448,3 +448,25 @@ def test_zb_h2_holds_more_activations_than_zb_h1_on_the_first_stage():
     assert abs(peaks["zb-h1"][0] - peaks["1f1b"][0]) < unit, peaks
     assert 1.5 < peaks["zb-h2"][0] / peaks["zb-h1"][0] < 2.0, peaks
     assert all(h2 > h1 for h1, h2 in zip(peaks["zb-h1"], peaks["zb-h2"])), peaks
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_measured_bubble_within_three_points_of_the_simulator_fed_with_measured_times(world):
+    """Real ranks against the simulator given the run's own F, B, W and message times (`measured_times`).
+    The step compared is each run's least disturbed (its smallest bubble): another process on the
+    machine only ever adds idle time, which the simulator cannot know of."""
+    from test_pipeline import LAUNCH
+
+    import parallel_lab as pl
+    from parallel_lab.pipeline import PipelineConfig, measured_bubble, measured_times, train_pipeline
+
+    m = 2 * world
+    for name in ("1f1b", *NAMES) if world == 4 else ("zb-h1",):
+        cfg = PipelineConfig(schedule=name, microbatches=m, layers=8, batch=4 * m, steps=4, compute_time=0.02)
+        run = pl.launch(train_pipeline, world, cfg, **LAUNCH)
+        best = min(range(1, 4), key=lambda s: measured_bubble(run, s))  # step 0 warms up
+        times = measured_times(run, best)
+        assert times["t_w"] > 0 if name != "1f1b" else times["t_w"] == 0, times
+        want = simulate(make_schedule(name, world, m), **times).bubble_fraction
+        got = measured_bubble(run, best)
+        assert abs(got - want) < 0.03, (name, world, got, want, times)

@@ -167,6 +167,44 @@ def measured_bubble(result: Any, step: int | None = None) -> float:
     return 1.0 - sum(busy) / (len(ranks) * window)
 
 
+def measured_times(result: Any, step: int | None = None) -> dict[str, float]:
+    """What the simulator needs to predict a measured step: `simulate(schedule, **measured_times(run))`.
+
+    t_f, t_b, t_w: the median F, B and W span of `step` (default: the last), per stage (a chunk's
+    span times the chunks per rank, as `simulate` divides by them); t_w is 0 when the backward was
+    not split. t_comm: the median time from a span's end to the start of the span on the next rank
+    that waited for its message (an F on the rank after, a B on the rank before), when that rank
+    had nothing else to do: latency and the host's work around a message, which the padded
+    compute spans leave out. 0 with one rank.
+    """
+    import statistics
+
+    spans = [e for e in result.timeline if e["kind"] == "compute" and "step" in e.get("args", {})]
+    if not spans:
+        raise ValueError("no pipeline compute spans in this result (was it a train_pipeline run?)")
+    step = max(e["args"]["step"] for e in spans) if step is None else step
+    spans = [e for e in spans if e["args"]["step"] == step]
+    v = 1 + max(e["args"].get("chunk", 0) for e in spans)
+    times = {}
+    for kind in ("F", "B", "W"):
+        mine = [e["end"] - e["start"] for e in spans if e["name"][0] == kind]
+        times[f"t_{kind.lower()}"] = v * statistics.median(mine) if mine else 0.0
+    at = {(e["rank"], e["name"][0], e["args"]["mb"], e["args"].get("chunk", 0)): e for e in spans}
+    ends = {}
+    for e in spans:
+        ends.setdefault(e["rank"], []).append(e["end"])
+    gaps = []
+    for (r, kind, mb, c), e in at.items():
+        src = at.get((r - 1, "F", mb, c) if kind == "F" else (r + 1, "B", mb, c) if kind == "B" else None)
+        if src is None:
+            continue
+        free = max((t for t in ends[r] if t <= e["start"] + 1e-9), default=float("-inf"))
+        if free < src["end"]:  # this rank was idle, waiting for that message
+            gaps.append(e["start"] - src["end"])
+    times["t_comm"] = max(0.0, statistics.median(gaps)) if gaps else 0.0
+    return times
+
+
 def peak_activation(result: Any, step: int | None = None) -> list[int]:
     """Per rank, the most "activation" bytes seen in any memory sample (of `step`, default all steps).
 

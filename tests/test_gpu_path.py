@@ -496,6 +496,18 @@ def _off_device(fn: ast.FunctionDef) -> list[tuple[int, str]]:
             found.append((n.lineno, "a model built without device="))
         elif (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) == "synthetic_batch":
             found.append((n.lineno, "a batch made without device="))
+    for n in ast.walk(fn):  # a CUDA tensor has no .numpy(): it must come to the host first
+        f = n.func if isinstance(n, ast.Call) else None
+        if (
+            isinstance(f, ast.Attribute)
+            and f.attr == "numpy"
+            and not (
+                isinstance(f.value, ast.Call)
+                and isinstance(f.value.func, ast.Attribute)
+                and f.value.func.attr == "cpu"
+            )
+        ):
+            found.append((n.lineno, ".numpy() without .cpu() first"))
     return found
 
 
@@ -525,11 +537,12 @@ def test_the_lesson_scan_finds_what_it_is_for():
     sample = ast.parse(
         "def f(ctx):\n    a = torch.randn(3)\n    b = torch.randn(3).to(ctx.device)\n"
         "    m = build_model(cfg, 0)\n    n = build_model(cfg, 0, device=ctx.device)\n"
-        "    mesh = init_device_mesh('cpu', (2,))\n    return a\n\npl.launch(f, 2)\n"
+        "    mesh = init_device_mesh('cpu', (2,))\n    return a.detach().numpy(), b.cpu().numpy()\n\npl.launch(f, 2)\n"
     )
     (fn,) = _launched_functions(sample)
     assert sorted(_off_device(fn)) == [
-        (2, "torch.randn(...) without device="), (4, "a model built without device="), (6, '"cpu" passed as a device')
+        (2, "torch.randn(...) without device="), (4, "a model built without device="), (6, '"cpu" passed as a device'),
+        (7, ".numpy() without .cpu() first"),
     ]  # fmt: skip
 
 

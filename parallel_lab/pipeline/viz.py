@@ -150,11 +150,11 @@ def compare_with_torch(name: str, stages: int, microbatches: int, chunks: int = 
 
 # ----------------------------------------------------------------------------- measured runs
 def measured_bubble(result: Any, step: int | None = None) -> float:
-    """Idle share of a measured pipeline step: 1 - mean over ranks of F/B busy time / the step's span.
+    """Idle share of a measured pipeline step: 1 - mean over ranks of F/B/W busy time / the step's span.
 
-    The span runs from the first F to the last B of `step` on any rank (default: the
-    last step recorded), so start-up, the DP all-reduce and the optimizer are left out,
-    as in the formula (p-1)/(v*m + p-1).
+    The span runs from the first compute (an F) to the last (a B, or a W when the backward is
+    split) of `step` on any rank (default: the last step recorded), so start-up, the DP all-reduce
+    and the optimizer are left out, as in the formula (p-1)/(v*m + p-1).
     """
     spans = [e for e in result.timeline if e["kind"] == "compute" and "step" in e.get("args", {})]
     if not spans:

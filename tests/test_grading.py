@@ -168,25 +168,27 @@ def test_exercise_has_no_solution_no_outputs_and_same_ids(exercise, demo_solutio
 
 
 def test_generation_is_deterministic_and_check_mode_names_stale_files(
-    tmp_path, make_exercises, demo_solutions
+    tmp_path, make_exercises, demo_solutions, capsys
 ):
-    script = [sys.executable, str(make_exercises.__file__), "--solutions", str(demo_solutions)]
+    args = ["--solutions", str(demo_solutions)]
     out = tmp_path / "ex"
-    first = subprocess.run([*script, "--exercises", str(out)], capture_output=True, text=True)
+    # the command line once, as the Makefile runs it (a new process imports torch: seconds); the rest in-process
+    first = subprocess.run([sys.executable, str(make_exercises.__file__), *args, "--exercises", str(out)],
+                           capture_output=True, text=True)  # fmt: skip
     assert first.returncode == 0, first.stderr
     data = (out / DEMO).read_bytes()
     make_exercises.generate(demo_solutions, out)
     assert (out / DEMO).read_bytes() == data
-    ok = subprocess.run([*script, "--exercises", str(out), "--check"], capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
+    assert make_exercises.main([*args, "--exercises", str(out), "--check"]) == 0
     (out / DEMO).write_bytes(data.replace(b"exercise 1, add(a, b)", b"exercise 1"))
     (out / "98_orphan.ipynb").write_bytes(data)
-    stale = subprocess.run([*script, "--exercises", str(out), "--check"], capture_output=True, text=True)
-    assert stale.returncode == 1
-    assert str(out / DEMO) in stale.stderr and "98_orphan.ipynb" in stale.stderr
+    assert make_exercises.main([*args, "--exercises", str(out), "--check"]) == 1
+    stderr = capsys.readouterr().err
+    assert str(out / DEMO) in stderr and "98_orphan.ipynb" in stderr
     assert b"exercise 1, add(a, b)" not in (out / DEMO).read_bytes()  # --check writes nothing
-    helptext = subprocess.run([*script, "--help"], capture_output=True, text=True).stdout
-    assert "--check" in helptext
+    with pytest.raises(SystemExit):
+        make_exercises.main(["--help"])
+    assert "--check" in capsys.readouterr().out
 
 
 def test_solution_without_ids_gets_stable_ids(tmp_path, make_exercises, demo_solutions):
@@ -302,7 +304,7 @@ def test_faked_outputs_and_gutted_checks_do_not_pass(exercise, tmp_path, demo_so
     assert path.read_bytes() == before  # grading never writes the learner's file
 
 
-def test_cli_grade_exit_codes(tmp_path, make_exercises, demo_solutions, repo):
+def test_cli_grade_exit_codes(tmp_path, make_exercises, demo_solutions, repo, capsys):
     make_exercises.generate(demo_solutions, tmp_path / "exercises")
     cli = [sys.executable, "-m", "parallel_lab", "grade", "--solutions", str(demo_solutions)]
     bad = subprocess.run([*cli, str(tmp_path / "exercises" / DEMO)], capture_output=True, text=True, cwd=repo)
@@ -311,8 +313,11 @@ def test_cli_grade_exit_codes(tmp_path, make_exercises, demo_solutions, repo):
     good = subprocess.run([*cli, str(demo_solutions / DEMO)], capture_output=True, text=True, cwd=repo)
     assert good.returncode == 0, good.stdout + good.stderr
     assert "2 checks: 2 passed" in good.stdout
-    missing = subprocess.run([*cli, str(tmp_path / "nope.ipynb")], capture_output=True, text=True, cwd=repo)
-    assert missing.returncode == 2 and "not found" in missing.stderr
+    from parallel_lab.__main__ import main
+
+    # the command's own entry point, in-process: a new process would import torch again
+    assert main(["grade", "--solutions", str(demo_solutions), str(tmp_path / "nope.ipynb")]) == 2
+    assert "not found" in capsys.readouterr().err
 
 
 def test_cli_doctor_and_lessons(tmp_path, repo):

@@ -473,3 +473,32 @@ def test_measured_bubble_within_three_points_of_the_simulator_fed_with_measured_
         want = simulate(make_schedule(name, world, m), **times).bubble_fraction
         got = measured_bubble(run, best)
         assert abs(got - want) < 0.03, (name, world, got, want, times)
+
+
+def test_the_planner_charges_the_zero_bubble_schedules_their_bubble_and_memory():
+    """evaluate(schedule=...): ZB-H1 the same activations as 1F1B and a smaller bubble, ZB-H2 (2p-1)/p of
+    the activations and a smaller one still; the sizes are zero_bubble_size's, which equals the simulator
+    inside its conditions and bounds it from above (1F1B's bubble) outside them."""
+    from parallel_lab.costmodel import A100_80GB, GPT3, ClusterSpec, evaluate, zero_bubble_size
+
+    cluster = ClusterSpec(gpus=64, gpus_per_node=8, gpu=A100_80GB)
+    args = dict(dp=2, tp=8, pp=4, zero=1, checkpointing=False, global_batch=64, micro_batch=1)
+    plans = {s: evaluate(GPT3, cluster, schedule=s, **args) for s in ("1f1b", "zb-h1", "zb-h2")}
+    assert plans["zb-h1"].memory["activation"] == plans["1f1b"].memory["activation"]
+    assert plans["zb-h2"].memory["activation"] == pytest.approx(plans["1f1b"].memory["activation"] * 7 / 4)
+    assert plans["zb-h2"].time["bubble"] < plans["zb-h1"].time["bubble"] < plans["1f1b"].time["bubble"]
+    assert all(p.schedule == s for s, p in plans.items())
+    one = evaluate(
+        GPT3, ClusterSpec(gpus=8, gpus_per_node=8, gpu=A100_80GB), 1, 8, 1, 3, True, 8, schedule="zb-h1"
+    )
+    assert one.time["bubble"] == 0.0
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        evaluate(GPT3, cluster, schedule="zb-v", **args)
+    with pytest.raises(ValueError, match="one chunk per stage"):
+        evaluate(GPT3, cluster, schedule="zb-h1", chunks=2, **args)
+    for p, m, t in itertools.product((2, 4), (1, 3, 4, 7, 8), itertools.product((0.5, 1.0, 2.0), repeat=3)):
+        for name in NAMES:
+            sim = simulate(make_schedule(name, p, m), *t[:2], t_w=t[2])
+            size = _bubble(sim, m, *t)
+            want, why = zero_bubble_size(name, p, m, *t)
+            assert size == pytest.approx(want) if not why else size <= want + 1e-9, (name, p, m, t, why)

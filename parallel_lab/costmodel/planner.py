@@ -21,6 +21,9 @@ recomputed forward and reduce-scatters the gradients, every micro-batch, prefetc
 compute (Rajbhandari et al. 2020). Overlapped communication leaves max(0, comm - compute) +
 f·min(comm, compute) exposed (`timing.exposed_seconds`). Recomputation: full reruns every layer's
 forward, selective only the attention's score GEMMs, softmax and dropout (Korthikanti et al. 2022).
+The zero-bubble schedules (`schedule`, Qi et al. 2024, lesson 19) split each backward into B and W (W:
+the weight-gradient GEMMs) and charge ZB-H1's or ZB-H2's bubble (`zero_bubble_size`); ZB-H2 keeps
+2p-1 micro-batches in flight instead of p.
 The optimizer step is memory-bound: about 30 bytes per parameter of the GPU's shard.
 MFU is an output: model FLOPs (`training_flops`, no recomputation) per second over the peak.
 Context parallelism (cp, lesson 17): every rank holds s/cp tokens of each sequence, so every
@@ -184,6 +187,7 @@ class Plan:
     chunks: int = 1
     mfu: float = 0.0
     tflops: float = 0.0
+    schedule: str = "1f1b"
 
     def __str__(self) -> str:
         ck = {False: "    ", True: "ckpt", "full": "ckpt", "selective": "sel "}[self.checkpointing]
@@ -259,18 +263,44 @@ def iteration_flops(model: ModelSpec, global_batch: int, checkpointing: bool) ->
     return training_flops(model, global_batch, "full" if checkpointing else "none")
 
 
+#: the pipeline schedules `evaluate` times: 1F1B (interleaved with chunks > 1) and Qi et al.'s ZB-H1, ZB-H2
+PIPELINE_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+
+
+def zero_bubble_size(schedule: str, pp: int, m: int, t_f: float, t_b: float, t_w: float) -> tuple[float, str]:
+    """The bubble of ZB-H1 or ZB-H2 (Qi et al. 2024, section 2) in seconds, and a note when it falls back.
+
+    ZB-H1: (p-1)(T_F + T_B - T_W), where T_W <= T_F and m >= p; ZB-H2: (p-1)(T_F + T_B - 2T_W), where
+    T_W <= T_F, 2T_W <= T_F + T_B and m >= 2p-1 (lesson 19's simulator finds the formulas exact there).
+    Outside its conditions a schedule is charged 1F1B's (p-1)(T_F + T_B + T_W), which bounds both
+    from above (the simulator, on a grid of p, m and times), and the note says so. Messages take
+    no time here: the planner charges them apart (pp_comm)."""
+    h1 = t_w <= t_f and m >= pp
+    if schedule == "zb-h2" and h1 and 2 * t_w <= t_f + t_b and m >= 2 * pp - 1:
+        return (pp - 1) * (t_f + t_b - 2 * t_w), ""
+    if schedule == "zb-h1" and h1:
+        return (pp - 1) * (t_f + t_b - t_w), ""
+    why = f"{schedule} outside its bubble formula's conditions: 1F1B's bubble charged"
+    return (pp - 1) * (t_f + t_b + t_w), why
+
+
 def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, zero: int,
              checkpointing: bool | str, global_batch: int, micro_batch: int = 1, sequence_parallel: bool = False,
              precision: str = "mixed", optimizer: str = "adam", cp: int = 1, chunks: int = 1,
-             flash_attention: bool = False) -> Plan:  # fmt: skip
+             flash_attention: bool = False, schedule: str = "1f1b") -> Plan:  # fmt: skip
     """Memory and time of one layout (see the module docstring for every term).
 
     `checkpointing`: False, True (full recomputation) or "selective" (the attention scores only,
     Korthikanti et al. 2022). `chunks`: model chunks per pipeline stage (interleaved 1F1B, v).
     `flash_attention`: attention as one fused kernel (Dao et al. 2022), timed so, and its T x T
-    scores never stored, in any recomputation mode."""
+    scores never stored, in any recomputation mode. `schedule`: "1f1b", or a zero-bubble one (Qi et
+    al. 2024, lesson 19; one chunk per stage), see `ZERO_BUBBLE`."""
     _int("cp", cp, 1)
     _int("chunks", chunks, 1)
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
+    if schedule != "1f1b" and chunks > 1:
+        raise ValueError(f"schedule {schedule!r} runs one chunk per stage, got chunks={chunks}")
     rc = _recompute(checkpointing)
     if dp * cp * tp * pp != cluster.gpus:
         what = "dp * cp * tp * pp" if cp > 1 else "dp * tp * pp"
@@ -297,7 +327,8 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
     # flash attention never stores the T x T scores: the same bytes as selective recomputation's
     no_scores = rc == "selective" or flash_attention
     per_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, no_scores) / cp
-    in_flight = min(pp, m)  # 1F1B on the first stage
+    # 1F1B and ZB-H1 on the first stage; ZB-H2 warms up 2p-1 micro-batches on every stage
+    in_flight = min(2 * pp - 1 if schedule == "zb-h2" else pp, m)
     if rc == "full":  # keep each layer's 16-bit input; recompute one layer at a time in backward
         act = in_flight * L_stage * 2 * model.seq // cp * micro_batch * model.hidden + per_layer
     else:
@@ -326,6 +357,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
         if pp > 1
         else [(model.layers, logits_mm, logits_mem)]
     )
+    n_slow, lmm_slow, _ = max(stages, key=lambda st: st[0] * (mm + mem + tpc) + st[1] + st[2])
     per_mb = max(
         ({"matmul": n * mm + lmm, "memory": n * mem + lmem, "tp_comm": n * tpc} for n, lmm, lmem in stages),
         key=lambda d: sum(d.values()),
@@ -335,6 +367,17 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
 
     time = {k: m * v for k, v in per_mb.items()}
     time["bubble"] = (pp - 1) / chunks * t_mb  # 1F1B: (p-1)/v micro-batch times of fill and drain
+    if schedule != "1f1b" and pp > 1:
+        # W: the weight-gradient GEMMs, half of a layer's backward GEMMs (and one of the logits' two); B the
+        # rest of the backward (attention's score GEMMs, all the memory-bound ops and TP collectives: more than
+        # its share); F the forward with its TP collectives, the recomputed forward moved to B
+        t_f = n_slow * (lt.matmul_fwd + lt.memory_fwd + lt.tp_comm_fwd) + lmm_slow / 3
+        t_w = n_slow * lt.matmul_bwd / 2 + lmm_slow / 3
+        t_b = t_mb - t_f - t_w
+        bubble, why = zero_bubble_size(schedule, pp, m, t_f, t_b, t_w)
+        if why:
+            notes.append(why)
+        time["bubble"] = bubble
     # pipeline sends: an activation forward and its gradient back per micro-batch and chunk; Megatron's
     # scatter/gather sends 1/tp of it from each tensor-parallel rank
     x = micro_batch * model.seq // cp * model.hidden * 2  # one (b, s/cp, h) activation in 16-bit, bytes
@@ -379,7 +422,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
     mfu = training_flops(model, global_batch) / (seconds * cluster.gpus * gpu.peak_flops)
     tflops = training_flops(model, global_batch, rc) / (seconds * cluster.gpus) / 1e12
     return Plan(dp, tp, pp, zero, checkpointing, m, memory, time, memory["total"] <= gpu.memory, notes, cp,
-                chunks, mfu, tflops)  # fmt: skip
+                chunks, mfu, tflops, schedule)  # fmt: skip
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, micro_batch: int = 1,
@@ -454,5 +497,6 @@ def lab_stage_memory(
     return out
 
 
-__all__ = ["BLOOM", "GPT3", "JEAN_ZAY", "LONG_SEQUENCE", "ClusterSpec", "ModelSpec", "Plan", "evaluate", "fp32_param_bytes",
-           "gradient_traffic_per_iteration", "iteration_flops", "lab_stage_memory", "plan", "stage_params"]  # fmt: skip
+__all__ = ["BLOOM", "GPT3", "JEAN_ZAY", "LONG_SEQUENCE", "PIPELINE_SCHEDULES", "ClusterSpec", "ModelSpec", "Plan", "evaluate",
+           "fp32_param_bytes", "gradient_traffic_per_iteration", "iteration_flops", "lab_stage_memory", "plan", "stage_params",
+           "zero_bubble_size"]  # fmt: skip

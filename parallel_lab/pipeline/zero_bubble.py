@@ -24,7 +24,7 @@ the paper's cost - m(T_F + T_B + T_W), cost the longest time a stage spends from
 compute to its last,
   1F1B (B unsplit, costing T_B + T_W)   (p-1)(T_F + T_B + T_W)
   1F1B split, W right after its B       (p-1)(T_F + T_B)
-  ZB-H1, when T_W <= T_F                (p-1)(T_F + T_B - T_W)
+  ZB-H1, when T_W <= T_F and m >= p     (p-1)(T_F + T_B - T_W)
   ZB-H2, when T_W <= T_F, 2 T_W <= T_F + T_B and m >= 2p-1   (p-1)(T_F + T_B - 2 T_W)
 and the peak in flight is min(p, m) on every stage for ZB-H1, min(2p-1, m) for ZB-H2. The
 1F1B / ZB-H1 / ZB-H2 sizes are the paper's handcrafted ones (with equal times: a third of

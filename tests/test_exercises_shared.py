@@ -12,7 +12,7 @@ import re
 import pytest
 from solution_code import _cells, check_cells, run_check
 
-LESSONS = [f"{i:02d}" for i in range(1, 19)]
+LESSONS = [f"{i:02d}" for i in range(1, 20)]
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

@@ -284,6 +284,44 @@ def threads_off(why: str) -> dict[str, str]:
     return dict.fromkeys(names, why)
 
 
+def differentiation_off(instead: str) -> dict[str, str]:
+    """`unavailable` targets for every way to let torch differentiate from Python: reverse mode (the engine's
+    Python entry points), torch.func's transforms, torch.autograd.functional and forward mode. What runs the
+    engine without them (`Variable._execution_engine.run_backward`, a node called by hand) records a graph
+    first: a check's dispatch mode refuses that with `differentiation_refused`."""
+    return {
+        "torch.autograd.grad": instead,
+        "torch.autograd.backward": instead,
+        "torch.Tensor.backward": instead,
+        "torch.autograd.graph._engine_run_backward": instead,
+        **family("torch.func", "torch.autograd.functional", "torch.autograd.forward_ad", instead=instead),
+        **family(
+            "torch._functorch.eager_transforms", "torch._functorch.apis", instead=instead, missing_ok=True
+        ),
+    }
+
+
+def stay_in_torch(instead: str) -> dict[str, str]:
+    """`unavailable` targets that keep a learner's computation in tensor operations, where a check's dispatch
+    mode sees (and counts) it: no moving tensors to numpy or to Python lists."""
+    return dict.fromkeys(("torch.Tensor.numpy", "torch.Tensor.tolist", "torch.Tensor.__array__"), instead)
+
+
+def differentiation_refused(func: Any, tensors: list) -> str:
+    """Why a dispatch mode watching a gradient written by hand refuses the aten op `func` given `tensors`
+    ('' when it does not): torch's backward kernels (aten's *_backward ops, autograd's own formulas), and any
+    op given a tensor that requires grad (an autograd graph would be recorded, whatever then runs it)."""
+    name = func.overloadpacket.__name__
+    if "backward" in name:
+        return f"torch's backward kernels are switched off while the check runs (aten.{name})"
+    if any(t.requires_grad for t in tensors):
+        return (
+            f"autograd is switched off while the check runs: aten.{name} was given a tensor that requires "
+            "grad (an autograd graph would be recorded)"
+        )
+    return ""
+
+
 def finite_number(got: Any, where: str, what: str) -> float:
     """A learner's number (int, float, Fraction, numpy scalar or 0-d tensor) as a finite float, or the verdict."""
     try:

@@ -28,11 +28,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from parallel_lab.grading.checks import (
     WriteItYourself,
     call_learner,
+    differentiation_off,
+    differentiation_refused,
     draw_seed,
     family,
     guarded,
     passed,
     require_callable,
+    stay_in_torch,
     threads_off,
 )
 
@@ -77,16 +80,9 @@ _IN_TORCH = "keep the computation in tensor operations: the check counts them"
 #: and the watch itself popped with torch's private dispatch calls; the check is no sandbox.
 GRAD_FORBIDDEN = {
     **family("parallel_lab.compression.distillation", instead=_BY_HAND),
-    "torch.autograd.grad": _BY_HAND,
-    "torch.autograd.backward": _BY_HAND,
-    "torch.Tensor.backward": _BY_HAND,
-    "torch.autograd.graph._engine_run_backward": _BY_HAND,
-    **family("torch.func", "torch.autograd.functional", "torch.autograd.forward_ad", instead=_BY_HAND),
-    **family("torch._functorch.eager_transforms", "torch._functorch.apis", instead=_BY_HAND, missing_ok=True),
+    **differentiation_off(_BY_HAND),
     **threads_off(_ONE_THREAD),
-    "torch.Tensor.numpy": _IN_TORCH,
-    "torch.Tensor.tolist": _IN_TORCH,
-    "torch.Tensor.__array__": _IN_TORCH,
+    **stay_in_torch(_IN_TORCH),
 }
 
 __all__ = ["check_distillation_grad", "check_global_magnitude_masks"]
@@ -248,16 +244,10 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if "backward" in name:
-            self.refuse(
-                f"torch's backward kernels are switched off while the check runs (aten.{name}); {_BY_HAND}"
-            )
         ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if any(a.requires_grad for a in ins):
-            self.refuse(
-                f"autograd is switched off while the check runs: aten.{name} was given a tensor that requires "
-                f"grad (an autograd graph would be recorded); {_BY_HAND}"
-            )
+        why = differentiation_refused(func, ins)
+        if why:
+            self.refuse(f"{why}; {_BY_HAND}")
         out = func(*args, **kwargs)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         if any(a.is_complex() for a in ins + outs):

@@ -1,0 +1,341 @@
+"""Lesson 19's exercises: the reference solution passes; wrappers of the lab's and torch's functions, answer
+tables from an earlier grade run and wrong algorithms fail, each with a message naming what differed; the
+check's slip timeline is the simulator's."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from solution_code import (
+    edit,
+    fails_saying,
+    functions_doing,
+    not_switched_off,
+    package_sources,
+    passes_with_one_line,
+    run_check,
+    table_cheat_fails,
+)
+
+from parallel_lab.grading.checks import zero_bubble as checks
+
+CHECKS = ["check_split_backward", "check_zb_h1_bubble_rate"]
+
+# ----------------------------------------------------------------------------- exercise 1: B and W by hand
+SIG_B = "import torch\ndef backward_b(x, h, w1, b1, w2, b2, grad_y):\n"
+SIG_W = "def backward_w(keep):\n"
+RIGHT_B = "    grad_h = (grad_y @ w2) * (h > 0)\n    grad_x = grad_h @ w1\n"
+FLAT = (
+    "    x, a = x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1])\n"
+    "    grad_h, grad_y = grad_h.reshape(-1, grad_h.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])\n"
+)
+KEEP_W = SIG_W + "    x, a, grad_h, grad_y = keep\n"
+ALL_IN_B = (
+    SIG_B + RIGHT_B + "    xx, aa = x.reshape(-1, x.shape[-1]), torch.relu(h).reshape(-1, h.shape[-1])\n"
+    "    gh, gy = grad_h.reshape(-1, h.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])\n"
+    "    return grad_x, (gh.T @ xx, gh.sum(0), gy.T @ aa, gy.sum(0))\n" + SIG_W + "    return keep\n"
+)
+W_THROUGH_W2 = (
+    SIG_B + RIGHT_B + "    return grad_x, (x, h, w2, grad_y)\n" + SIG_W + "    x, h, w2, grad_y = keep\n"
+    "    grad_h, a = (grad_y @ w2) * (h > 0), torch.relu(h)\n" + FLAT
+    + "    return grad_h.T @ x, grad_h.sum(0), grad_y.T @ a, grad_y.sum(0)\n"
+)  # fmt: skip
+BROADCAST_IN_B = (
+    SIG_B + RIGHT_B + "    gh, xx = grad_h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1])\n"
+    "    gw1 = (gh[:, :, None] * xx[:, None, :]).sum(0)  # an outer product per token, summed\n"
+    "    return grad_x, (gw1, x, h, grad_h, grad_y)\n"
+    + SIG_W + "    gw1, x, h, grad_h, grad_y = keep\n    a = torch.relu(h)\n" + FLAT
+    + "    return gw1, grad_h.sum(0), grad_y.T @ a, grad_y.sum(0)\n"
+)  # fmt: skip
+WRAP_AUTOGRAD = (
+    SIG_B + "    leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2)]\n"
+    "    xr, w1r, b1r, w2r, b2r = leaves\n    y = torch.relu(xr @ w1r.T + b1r) @ w2r.T + b2r\n"
+    "    g = torch.autograd.grad(y, leaves, grad_y)\n    return g[0], g[1:]\n" + SIG_W + "    return keep\n"
+)
+WRAP_VJP = (
+    SIG_B + "    from torch.func import vjp\n"
+    "    _, pull = vjp(lambda x: torch.relu(x @ w1.T + b1) @ w2.T + b2, x)\n"
+    "    return pull(grad_y)[0], None\n" + SIG_W + "    return keep\n"
+)
+WRAP_TORCH_SPLIT = (
+    "import torch\nfrom torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight\n"
+    + SIG_B[len("import torch\n") :]
+    + "    grads, groups = stage_backward_input([], [grad_y], [x], iter([w1, b1, w2, b2]))\n"
+    "    return grads[0], groups\n" + SIG_W + "    return stage_backward_weight(iter([]), keep)\n"
+)
+WRAP_LAB_SPLIT = (
+    "import torch\nfrom parallel_lab.pipeline.executor import SplitBackward\n"
+    + SIG_B[len("import torch\n") :]
+    + "    split = SplitBackward(torch.relu(h) @ w2.T + b2, grad_y, x)\n"
+    "    return split.input_grad(), split\n" + SIG_W + "    keep.weight_grads()\n    return keep\n"
+)
+WRAP_CONV_GRAD = (
+    SIG_B + "    grad_h = (grad_y @ w2) * (h > 0)\n"
+    "    g = torch.nn.grad.conv1d_input(x.T[None].shape, w1[:, :, None], grad_h.T[None])\n"
+    "    return g[0].T, None\n" + SIG_W + "    return keep\n"
+)
+WRAP_NUMPY = (
+    SIG_B + "    grad_h = (grad_y @ w2) * (h > 0)\n"
+    "    return torch.from_numpy(grad_h.numpy() @ w1.numpy()), (x, torch.relu(h), grad_h, grad_y)\n"
+)
+WRAP_BACKWARD_KERNEL = (
+    SIG_B + "    grad_h = torch.ops.aten.threshold_backward(grad_y @ w2, h, 0.0)\n"
+    "    return grad_h @ w1, (x, torch.relu(h), grad_h, grad_y)\n"
+)
+WRAP_CHECK = (
+    "from parallel_lab.grading.checks.zero_bubble import _by_hand_w\n"
+    + KEEP_W
+    + "    return _by_hand_w(grad_h, x, a, grad_y)\n"
+)
+
+WRONG_SPLIT = [
+    ("B also computes the weight gradients", ALL_IN_B, "Your B also computed the gradient of w1"),
+    ("W recomputes through w2", W_THROUGH_W2, "Your W recomputed the gradient at a = relu(h), through w2"),
+    ("B recomputes the forward's h",
+     edit("19", "backward_b", "grad_h = (grad_y @ w2) * (h > 0)", "h = x @ w1.T + b1\n    grad_h = (grad_y @ w2) * (h > 0)"),
+     "Your B recomputed the forward's h"),
+    ("the ReLU mask forgotten", edit("19", "backward_b", "grad_h = (grad_y @ w2) * (h > 0)", "grad_h = grad_y @ w2"),
+     "the ReLU's mask is missing"),
+    ("the ReLU mask inverted", edit("19", "backward_b", "(h > 0)", "(h <= 0)"), "the ReLU's mask is inverted"),
+    ("grad_x with a transposed weight", edit("19", "backward_b", "grad_x = grad_h @ w1", "grad_x = grad_h @ w1.T"),
+     "your function raised RuntimeError"),
+    ("bias gradients summed over one axis only",
+     KEEP_W + "    gb1, gb2 = grad_h.sum(0), grad_y.sum(0)\n" + FLAT
+     + "    return grad_h.T @ x, gb1, grad_y.T @ a, gb2\n", "summed over the batch axis only"),
+    ("bias gradients averaged", edit("19", "backward_w", "grad_h.sum(0), grad_y.T @ a", "grad_h.mean(0), grad_y.T @ a"),
+     "grad_b1 differs from autograd's by up to"),
+    ("weight gradients of a 3-D input not flattened",
+     KEEP_W + "    return grad_h.transpose(-1, -2) @ x, grad_h.reshape(-1, grad_h.shape[-1]).sum(0), "
+     "grad_y.transpose(-1, -2) @ a, grad_y.reshape(-1, grad_y.shape[-1]).sum(0)\n",
+     "grad_w1 has shape (2, 5, 4), expected (5, 4): summed over the sequence axis only"),
+    ("weight gradients of a 3-D input from the first position",
+     KEEP_W + "    if x.dim() == 3:\n        x, a, grad_h, grad_y = x[:, 0], a[:, 0], grad_h[:, 0], grad_y[:, 0]\n" + FLAT
+     + "    return grad_h.T @ x, grad_h.sum(0), grad_y.T @ a, grad_y.sum(0)\n", "from the first sequence position only"),
+    ("a transposed weight gradient", edit("19", "backward_w", "return grad_h.T @ x,", "return x.T @ grad_h,"),
+     "grad_w1 has shape (5, 7), expected (7, 5): transposed"),
+    ("relu(h) replaced by h in W",
+     edit("19", "backward_b", "(x, torch.relu(h), grad_h, grad_y)", "(x, h, grad_h, grad_y)"),
+     "it uses h where the forward used relu(h)"),
+    ("a broadcast product in place of a matrix product", BROADCAST_IN_B, "a product broadcast over three axes"),
+    ("wraps torch.autograd.grad", WRAP_AUTOGRAD, "switched off"),
+    ("wraps torch.func.vjp", WRAP_VJP, "switched off"),
+    ("wraps torch's stage_backward_input", WRAP_TORCH_SPLIT, "switched off"),
+    ("wraps the lab's SplitBackward", WRAP_LAB_SPLIT, "switched off"),
+    ("wraps torch.nn.grad", WRAP_CONV_GRAD, "switched off"),
+    ("computes in numpy, out of the count's sight", WRAP_NUMPY, "switched off"),
+    ("calls torch's backward kernel", WRAP_BACKWARD_KERNEL, "torch's backward kernels are switched off"),
+    ("reads the check's own reference", WRAP_CHECK, "switched off"),
+]  # fmt: skip
+
+# ----------------------------------------------------------------------------- exercise 2: ZB-H1's rate
+SIG_R = "def zb_h1_bubble_rate(p, m, t_f, t_b, t_w, t_comm):\n"
+CLOSED = "    b = (p - 1) * (t_f + t_b - t_w)\n    return b / (m * (t_f + t_b + t_w) + b)\n"
+LONGEST = "longest = max(free[s] - first[s] for s in range(p))"
+WAIT = "ready = max(ready, end[src] + t_comm)"
+WRONG_RATE = [
+    ("the lesson's closed form everywhere", SIG_R + CLOSED, "this case has t_w > t_f."),
+    ("the closed form where messages take time",
+     "_right = zb_h1_bubble_rate\n" + SIG_R + "    if t_comm == 0:\n        return _right(p, m, t_f, t_b, t_w, t_comm)\n"
+     + CLOSED, "this case has t_comm > 0."),
+    ("the closed form where m < p",
+     "_right = zb_h1_bubble_rate\n" + SIG_R + "    if m >= p:\n        return _right(p, m, t_f, t_b, t_w, t_comm)\n"
+     + CLOSED, "this case has microbatches < stages."),
+    ("the idle share of the step (cost as the makespan)", edit("19", "zb_h1_bubble_rate", LONGEST, "longest = max(free)"),
+     "t_w=3.0, t_comm=0.5) returned 0.1724137931034483"),
+    ("1F1B's bubble, B and W as one",
+     edit("19", "zb_h1_bubble_rate", 'cost = {"F": t_f, "B": t_b, "W": t_w}', 'cost = {"F": t_f, "B": t_b + t_w, "W": 0.0}')
+     .replace("if b >= s:", "if True:"), "That is 1F1B's bubble rate"),
+    ("each W right after its B", edit("19", "zb_h1_bubble_rate", "if b >= s:", "if True:"),
+     "each W right after its own B"),
+    ("latency on the activations only",
+     edit("19", "zb_h1_bubble_rate", WAIT, 'ready = max(ready, end[src] + (t_comm if kind == "F" else 0.0))'),
+     "charged in one direction only"),
+    ("latency on the gradients only",
+     edit("19", "zb_h1_bubble_rate", WAIT, 'ready = max(ready, end[src] + (t_comm if kind == "B" else 0.0))'),
+     "charged in one direction only"),
+    ("latency added once per link",
+     "_right = zb_h1_bubble_rate\n" + SIG_R + "    if t_comm == 0:\n        return _right(p, m, t_f, t_b, t_w, t_comm)\n"
+     "    b = (p - 1) * (t_f + t_b - t_w) + (p - 1) * t_comm\n    return b / (m * (t_f + t_b + t_w) + b)\n",
+     "charged once per link"),
+    ("wraps the lab's simulator",
+     "from parallel_lab.pipeline import schedule_zb_h1, simulate\n" + SIG_R
+     + "    return simulate(schedule_zb_h1(p, m), t_f, t_b, t_comm, t_w=t_w).bubble_rate\n", "switched off"),
+    ("wraps the lab's ZB-H1 order",
+     "from parallel_lab.pipeline import order_zb_h1\n" + SIG_R + "    order_zb_h1(0, p, m)\n    return 0.0\n",
+     "switched off"),
+    ("wraps the lab's bubble formula",
+     "from parallel_lab.costmodel import pipeline_bubble_fraction\n" + SIG_R + "    return pipeline_bubble_fraction(p, m)\n",
+     "switched off"),
+    ("reads the check's own reference",
+     "from parallel_lab.grading.checks.zero_bubble import _zb_h1_rate\n" + SIG_R
+     + "    return _zb_h1_rate(p, m, t_f, t_b, t_w, t_comm)\n", "switched off"),
+    ("reads the check's own timeline",
+     "from parallel_lab.grading.checks.zero_bubble import _timeline\n" + SIG_R
+     + "    return _timeline([], {}, t_comm, t_comm)\n", "switched off"),
+    ("torch's zero-bubble rank ops",
+     "from torch.distributed.pipelining.schedules import _get_1f1b_rank_ops\n" + SIG_R
+     + "    _get_1f1b_rank_ops(1, p, p - 1, m, 0, 0, lambda s: s, lambda s: s, enable_zero_bubble=True)\n    return 0.0\n",
+     "switched off"),
+    ("torch's schedule visualizer",
+     "from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops\n" + SIG_R
+     + "    get_schedule_ops('ZBVZeroBubble', p, m)\n    return 0.0\n", "switched off"),
+]  # fmt: skip
+
+WRONG = [("check_split_backward", *w) for w in WRONG_SPLIT] + [
+    ("check_zb_h1_bubble_rate", *w) for w in WRONG_RATE
+]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_the_solution_passes_with_one_line(check, capsys):
+    passes_with_one_line("19", check, capsys)
+
+
+@pytest.mark.parametrize(("check", "label", "source", "want"), WRONG, ids=[w[1] for w in WRONG])
+def test_a_wrong_answer_fails_saying_what_differed(check, label, source, want):
+    message = fails_saying("19", check, label, source, want)
+    if "closed form" in label:  # the message names the broken condition, never the answer's value
+        assert "the simulator measures" in message and message.count("this case has") == 1
+
+
+def test_a_failure_names_the_call():
+    message = fails_saying("19", *WRONG[3])
+    assert message.startswith(
+        "backward_b(x=<(6, 5) float64>, h=<(6, 7) float64>, w1=<(7, 5) float64>, b1=<(7,) float64>, "
+        "w2=<(3, 7) float64>, b2=<(3,) float64>, grad_y=<(6, 3) float64>): grad_x differs"
+    ), message
+    message = fails_saying("19", "check_zb_h1_bubble_rate", *WRONG_RATE[0])
+    assert message.startswith(
+        "zb_h1_bubble_rate(stages=4, microbatches=8, t_f=1.0, t_b=1.0, t_w=2.0, t_comm=0.0) returned"
+    ), message
+
+
+def test_an_unfinished_exercise_stays_not_implemented():
+    with pytest.raises(NotImplementedError, match="todo"):
+        run_check("19", "check_split_backward", SIG_B + "    raise NotImplementedError('todo')\n")
+    with pytest.raises(NotImplementedError, match="todo"):
+        run_check("19", "check_split_backward", SIG_W + "    raise NotImplementedError('todo')\n")
+    with pytest.raises(NotImplementedError, match="todo"):
+        run_check("19", "check_zb_h1_bubble_rate", SIG_R + "    raise NotImplementedError('todo')\n")
+
+
+def test_malformed_answers_are_named():
+    with pytest.raises(AssertionError, match=r"return the pair \(grad_x, keep\)"):
+        run_check("19", "check_split_backward", SIG_B + "    return (grad_y @ w2) * (h > 0) @ w1\n")
+    with pytest.raises(AssertionError, match="return the four gradients"):
+        run_check("19", "check_split_backward", SIG_W + "    return keep[0]\n")
+    with pytest.raises(AssertionError, match="expected float64"):
+        run_check(
+            "19",
+            "check_split_backward",
+            edit("19", "backward_b", "grad_x = grad_h @ w1", "grad_x = (grad_h @ w1).float()"),
+        )
+    with pytest.raises(AssertionError, match="must return a number, got str"):
+        run_check("19", "check_zb_h1_bubble_rate", SIG_R + "    return '0.1'\n")
+
+
+# ----------------------------------------------------------------------------- cases drawn at grade time
+def _tensor_key(x, *args):
+    # runs inside the check, where numpy and tolist are switched off: x's shape and sum name a stage
+    return tuple(x.shape), x.sum().item()
+
+
+def test_a_table_of_one_grade_runs_answers_fails_the_next():
+    """A learner who logs one grade run's inputs and answers and replays them fails the next run: the shapes
+    and values (of the fixed stages too) and the timings are drawn again."""
+    import torch
+
+    table_cheat_fails(
+        "19", "backward_b", "check_split_backward", (torch.zeros(1, dtype=torch.float64), None), "backward_b(",
+        key=_tensor_key,
+    )  # fmt: skip
+    table_cheat_fails("19", "zb_h1_bubble_rate", "check_zb_h1_bubble_rate", 0.0, "returned 0.0")
+
+
+# ----------------------------------------------------------------------------- the check's references
+def test_the_slip_timeline_is_the_simulators():
+    """`_timeline` with the same latency both ways gives the simulator's bubble rate (it names the one-way slips)."""
+    import random
+
+    from parallel_lab.pipeline import order_zb_h1
+
+    rnd = random.Random(0)
+    for _ in range(60):
+        p, m = rnd.randint(1, 9), rnd.randint(1, 20)
+        t_f, t_b, t_w, c = (round(rnd.uniform(0.1, 3), 3) for _ in range(4))
+        spans = checks._timeline(
+            [order_zb_h1(s, p, m) for s in range(p)], {"F": t_f, "B": t_b, "W": t_w}, c, c
+        )
+        assert checks._rate(spans, m * (t_f + t_b + t_w)) == pytest.approx(
+            checks._zb_h1_rate(p, m, t_f, t_b, t_w, c), abs=1e-12
+        )
+
+
+def test_the_closed_form_holds_exactly_where_the_exercise_says():
+    """(p-1)(T_F + T_B - T_W) is ZB-H1's bubble with free messages, T_W <= T_F and m >= p; each fixed case
+    where the exercise says it breaks, it does."""
+    for p in range(1, 7):
+        for m in range(p, 3 * p + 2):
+            for t_f, t_b, t_w in ((1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.5, 0.7, 1.5), (2.0, 1.0, 0.25)):
+                bubble = (p - 1) * (t_f + t_b - t_w)
+                want = bubble / (m * (t_f + t_b + t_w) + bubble)
+                assert checks._zb_h1_rate(p, m, t_f, t_b, t_w, 0.0) == pytest.approx(want, abs=1e-12)
+    for p, m, t_f, t_b, t_w, c in checks._FIXED_RATE:
+        bubble = (p - 1) * (t_f + t_b - t_w)
+        closed = bubble / (m * (t_f + t_b + t_w) + bubble) if p > 1 else 0.0
+        broken = t_w > t_f or c > 0 or m < p
+        assert (abs(closed - checks._zb_h1_rate(p, m, t_f, t_b, t_w, c)) > 1e-9) == (broken and p > 1)
+
+
+def test_drawn_stages_keep_their_sizes_apart():
+    """Every drawn stage has d_in, d_h, d_out and its token counts all different, so a product's sizes say
+    which product it is; the ReLU-dead fixed stage passes nothing."""
+    for seed in range(20):
+        cases = checks._cases(seed)
+        assert all(c.distinct for c in cases[5:])
+        assert {len(c.lead) for c in cases[5:]} == {1, 2}
+        assert not (cases[3].h > 0).any()
+
+
+# ----------------------------------------------------------------------------- torch's own versions
+#: found by the search below but doing another job: they compute no gradient a learner could use
+NOT_THE_JOB = {
+    "torch._custom_op.autograd": "validates and flattens what a custom op's backward returns",
+    "torch._dynamo.variables.tensor": "the compiler tracing a call to .backward",
+    "torch._meta_registrations": "shapes only: meta kernels allocate empty outputs",
+    "torch.nn.utils.memory_format": "changes a convolution weight's memory layout",
+}
+SPLIT_JOB = (
+    r"(_?\w*(?:backward_input|backward_weight|input_grad|weight_grad|grad_input|grad_weight|stage_backward|"
+    r"split_backward|conv[123]d_(?:input|weight)|PerSampleGrad|per_sample_grad|linear_backward|matmul_backward|"
+    r"threshold_backward|mm_backward)\w*)"
+)
+ORDER_JOB = (
+    r"(\w*(?:1f1b|gpipe|pipeline_order|schedule_ops|simulate_comms|LoopedBFS|ZeroBubble|ZBV|DualPipe|"
+    r"PipelineSchedule|warmup_ops|bfs_ops)\w*)"
+)
+
+
+def test_torchs_own_versions_of_an_exercise_are_switched_off():
+    """torch's functions that split a backward or give a layer's input or weight gradient outside autograd, and
+    those that build or simulate pipeline orders (found by name in torch's source), are in the checks'
+    switched-off lists: top-level ones by name, nested ones and methods by their module. A new torch that adds
+    one fails here, not in a learner's notebook."""
+    for job, off, where in (
+        (SPLIT_JOB, checks.split_switched_off(), "torch.distributed.pipelining._backward"),
+        (ORDER_JOB, checks.rate_switched_off(), "torch.distributed.pipelining.schedules"),
+    ):
+        top = functions_doing(re.compile(rf"^(?:class|def) {job}", re.M | re.I))
+        anywhere = functions_doing(re.compile(rf"^[ \t]*(?:class|def) {job}", re.M | re.I))
+        if job is ORDER_JOB:  # orders: only torch.distributed's pipelining builds them
+            top = {m: n for m, n in top.items() if m.startswith("torch.distributed.")}
+            anywhere = {m: n for m, n in anywhere.items() if m.startswith("torch.distributed.")}
+        assert where in anywhere, "the search finds nothing: torch's layout changed"
+        top = {m: n for m, n in top.items() if m not in NOT_THE_JOB}
+        missing = not_switched_off(top, off)
+        assert not missing, f"torch functions doing an exercise's job, not switched off: {missing}"
+        covered = {m for m in anywhere if any(k.startswith(m + ".") for k in off)}
+        bare = sorted(set(anywhere) - covered - set(NOT_THE_JOB))
+        assert not bare, f"torch modules doing an exercise's job, none of it switched off: {bare}"
+    assert package_sources()  # the search read torch's source (shared with other lessons' tests)

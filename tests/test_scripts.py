@@ -161,8 +161,9 @@ def _accelerate(ranks: int, args: list[str], trace: Path) -> subprocess.Complete
 
 @pytest.mark.slow
 def test_pipeline_under_accelerate_launch(tmp_path):
+    """A zero-bubble schedule (lesson 19; lesson 09's 1F1B runs without a launcher in its notebook)."""
     trace = tmp_path / "trace.json"
-    out = _accelerate(2, ["parallel_lab.scripts.pipeline", "--schedule", "1f1b", "--steps", "2"], trace)
+    out = _accelerate(2, ["parallel_lab.scripts.pipeline", "--schedule", "zb-h2", "--steps", "2"], trace)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "losses match single-process training" in out.stdout
     assert RunResult.load(str(trace)).world_size == 2

@@ -339,3 +339,234 @@ def test_torchs_own_versions_of_an_exercise_are_switched_off():
         bare = sorted(set(anywhere) - covered - set(NOT_THE_JOB))
         assert not bare, f"torch modules doing an exercise's job, none of it switched off: {bare}"
     assert package_sources()  # the search read torch's source (shared with other lessons' tests)
+
+
+# ----------------------------------------------------------------------------- exercise 3: predict, then measure
+IDLE = "check_predicted_idle_share"
+SIG_I = "def predicted_idle_share(schedule, stages, microbatches):\n"
+WRAP_I = "_right = predicted_idle_share\n" + SIG_I  # a slip in some cases, the right answer elsewhere
+RIGHT_ELSE = "    return _right(schedule, stages, microbatches)\n"
+CLOSED_I = (
+    "    k = {'1f1b': 3, 'zb-h1': 1, 'zb-h2': 1}[schedule]  # the lesson's sizes, ZB-H2 as ZB-H1 under a flush\n"
+    "    b = (stages - 1) * k\n    return b / (3 * microbatches + b)\n"
+)
+
+
+def _spans(last: str) -> str:
+    """The solution, each stage's first compute kept, ending in `last` (a return using p, m, free, first)."""
+    src = edit(
+        "19",
+        "predicted_idle_share",
+        "nxt, free = [0] * p, [0] * p",
+        "nxt, free, first = [0] * p, [0] * p, [0] * p",
+    )
+    src = src.replace(
+        "nxt[s] += 1", "first[s] = start if nxt[s] == 0 else first[s]\n                nxt[s] += 1", 1
+    )
+    return src.replace("return 1 - 3 * m / span", last, 1)
+
+
+WRONG_IDLE = [
+    ("the paper's rate instead of the idle share",
+     _spans("return 1 - 3 * m / max(free[s] - first[s] for s in range(p))"), "That is the paper's bubble rate"),
+    ("the lesson's closed forms everywhere", SIG_I + CLOSED_I,
+     "hold for ZB-H1 only with microbatches >= stages; this case has 1 micro-batch on 4 stages"),
+    ("the closed form for ZB-H2 with p <= m < 2p - 1",
+     WRAP_I + "    if schedule == 'zb-h2' and microbatches >= stages:\n" + CLOSED_I.replace("    ", "        ")
+     + RIGHT_ELSE, "hold for ZB-H2 only with microbatches >= 2·stages − 1; this case has 5 micro-batches"),
+    ("the flush ignored: each stage charged for its own span",
+     _spans("return 1 - p * 3 * m / sum(free[s] - first[s] for s in range(p))"),
+     "That charges each stage only for its own span"),
+    ("the flush ignored: each stage's own idle share, averaged",
+     _spans("return sum(1 - 3 * m / (free[s] - first[s]) for s in range(p)) / p"),
+     "That charges each stage only for its own span"),
+    ("1F1B's unsplit backward counted as 1 in the timeline",
+     edit("19", "predicted_idle_share", '"B": 1 if split else 2', '"B": 1'), "1F1B's backward is not split"),
+    ("1F1B's unsplit backward counted as 1 in the busy time",
+     edit("19", "predicted_idle_share", "return 1 - 3 * m / span", "return 1 - (3 if split else 2) * m / span"),
+     "1F1B's backward is not split"),
+    ("ZB-H2 taken as zero", WRAP_I + "    if schedule == 'zb-h2':\n        return 0.0\n" + RIGHT_ELSE,
+     "That takes ZB-H2 as zero"),
+    ("wraps the lab's simulator",
+     "from parallel_lab.pipeline import make_schedule, simulate\n" + SIG_I
+     + "    return simulate(make_schedule(schedule, stages, microbatches), 1.0, 1.0, t_w=1.0).bubble_fraction\n",
+     "switched off"),
+    ("wraps the lab's ZB-H2 order",
+     "from parallel_lab.pipeline import order_zb_h2\n" + SIG_I + "    order_zb_h2(0, stages, microbatches)\n    return 0.0\n",
+     "switched off"),
+    ("wraps measured_bubble",
+     "from parallel_lab.pipeline.viz import measured_bubble\n" + SIG_I + "    return measured_bubble(None)\n",
+     "switched off"),
+    ("wraps measured_times",
+     "from parallel_lab.pipeline.viz import measured_times\n" + SIG_I + "    return measured_times(None)['t_f']\n",
+     "switched off"),
+    ("wraps the lab's bubble formula",
+     "from parallel_lab.costmodel import pipeline_bubble_fraction\n" + SIG_I
+     + "    return pipeline_bubble_fraction(stages, microbatches)\n", "switched off"),
+    ("wraps the planner's zero-bubble size",
+     "from parallel_lab.costmodel.planner import zero_bubble_size\n" + SIG_I
+     + "    return zero_bubble_size(schedule, stages, microbatches, 1.0, 1.0, 1.0)[0]\n", "switched off"),
+    ("reads the check's own reference",
+     "from parallel_lab.grading.checks.zero_bubble import _idle_share\n" + SIG_I
+     + "    return _idle_share(schedule, stages, microbatches)\n", "switched off"),
+    ("runs the check's own measurement",
+     "from parallel_lab.grading.checks.zero_bubble import _measure_live\n" + SIG_I
+     + "    return _measure_live(schedule, microbatches)\n", "switched off"),
+    ("torch's zero-bubble rank ops",
+     "from torch.distributed.pipelining.schedules import _get_1f1b_rank_ops\n" + SIG_I
+     + "    _get_1f1b_rank_ops(1, stages, stages - 1, microbatches, 0, 0, lambda s: s, lambda s: s, "
+     "enable_zero_bubble=True)\n    return 0.0\n", "switched off"),
+    ("torch's schedule visualizer",
+     "from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops\n" + SIG_I
+     + "    get_schedule_ops('ZBVZeroBubble', stages, microbatches)\n    return 0.0\n", "switched off"),
+]  # fmt: skip
+
+
+_RUN = {"calls": [], "offset": 0.015}
+
+
+def _fake_measure(schedule, microbatches):
+    # a plain function (no closure), so the check switches it off as it does the real one
+    _RUN["calls"].append((schedule, microbatches))
+    return checks._idle_share(schedule, 2, microbatches) + _RUN["offset"]
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
+    """The live run replaced by the ideal device plus the point and a half a real run adds (`offset`), its
+    calls logged: every test of exercise 3 but the solution's own passes without launching ranks."""
+    monkeypatch.setitem(_RUN, "calls", [])
+    monkeypatch.setitem(_RUN, "offset", 0.015)
+    monkeypatch.setattr(checks, "_measure_live", _fake_measure)
+    return _RUN
+
+
+def test_the_prediction_passes_against_a_real_run_with_one_line(capsys):
+    """The one test of exercise 3 that launches ranks: the solution's prediction within 4 points of a real run."""
+    passes_with_one_line("19", IDLE, capsys)
+
+
+@pytest.mark.parametrize(("label", "source", "want"), WRONG_IDLE, ids=[w[0] for w in WRONG_IDLE])
+def test_a_wrong_prediction_fails_saying_what_differed(fake_run, label, source, want):
+    message = fails_saying("19", IDLE, label, source, want)
+    assert message.startswith("predicted_idle_share(schedule="), message
+    assert not fake_run["calls"], "a wrong prediction must fail before any run"
+    if "switched off" not in want:  # the failing case and what differed, never the answer
+        got = re.search(r"schedule='([\w-]+)', stages=(\d+), microbatches=(\d+)\) returned (\S+),", message)
+        want_value = checks._idle_share(got[1], int(got[2]), int(got[3]))
+        assert repr(want_value) not in message and f"{want_value:.1%}" not in message
+
+
+def test_predictions_are_stored_before_the_run(fake_run):
+    """Every call of the learner's function comes before the measurement, which gets the last drawn case."""
+    from solution_code import _check_cell, solution_namespace
+
+    ns = solution_namespace("19")
+    log, right = [], ns["predicted_idle_share"]
+
+    def logging(*args):
+        log.append(("predict", args))
+        return right(*args)
+
+    calls = fake_run["calls"]
+    ns["predicted_idle_share"] = logging
+    exec(compile(_check_cell("19", IDLE), "<check cell>", "exec"), ns)  # noqa: S102
+    assert len(calls) == 1 and len(log) == len(checks._FIXED_IDLE) + checks._DRAWN_IDLE + 1
+    schedule, m = calls[0]
+    assert log[-1] == ("predict", (schedule, 2, m))  # the live case, predicted with the others
+
+
+def test_a_run_far_from_the_prediction_fails_showing_both(fake_run, capsys):
+    """A run more than 4 points from the stored prediction fails, showing the prediction and the measurement;
+    one within 4 points passes with the same line whatever it measured."""
+    fake_run["offset"] = 0.10
+    with pytest.raises(AssertionError) as info:
+        run_check("19", IDLE)
+    message, _ = str(info.value), capsys.readouterr()
+    assert re.match(r"predicted_idle_share\(schedule='zb-h[12]', stages=2, microbatches=1\) was stored as 40\.0% "
+                    r"before the run; .* measured 50\.0% .*more than 4 points apart", message), message  # fmt: skip
+    lines = set()
+    for offset in (0.0, 0.039, -0.02):
+        fake_run["offset"] = offset
+        run_check("19", IDLE)
+        lines |= {line for line in capsys.readouterr().out.splitlines() if line.startswith("check_")}
+    assert len(lines) == 1, lines
+
+
+def test_the_live_case_is_outside_the_lesson_formulas():
+    """Two ranks, ZB-H1 with m < p or ZB-H2 with m < 2p - 1, both schedules drawn."""
+    import random
+
+    seen = set()
+    for seed in range(40):
+        schedule, p, m = checks._live_case(random.Random(seed))
+        assert p == 2 and m < (p if schedule == "zb-h1" else 2 * p - 1)
+        seen.add(schedule)
+    assert seen == {"zb-h1", "zb-h2"}
+
+
+def test_the_fixed_cases_cover_what_the_statement_says():
+    fixed = checks._FIXED_IDLE
+    assert {s for s, p, _ in fixed if p == 1} == set(checks._SCHEDULES)  # one stage
+    assert {s for s, p, m in fixed if m == 1 and p > 1} == set(checks._SCHEDULES)  # one micro-batch
+    assert {s for s, p, m in fixed if (p, m) == (4, 8)} == set(checks._SCHEDULES)  # the lesson's case
+    assert {s for s, p, m in fixed if 1 < m < p} == set(checks._SCHEDULES)  # fewer micro-batches than stages
+    assert any(s == "zb-h2" and p <= m < 2 * p - 1 for s, p, m in fixed)
+
+
+def test_an_unfinished_prediction_stays_not_implemented(fake_run):
+    with pytest.raises(NotImplementedError, match="todo"):
+        run_check("19", IDLE, SIG_I + "    raise NotImplementedError('todo')\n")
+    with pytest.raises(AssertionError, match="must return a finite number, got '0.1'"):
+        run_check("19", IDLE, SIG_I + "    return '0.1'\n")
+    assert not fake_run["calls"]
+
+
+def test_a_table_of_one_grade_runs_predictions_fails_the_next(fake_run):
+    table_cheat_fails("19", "predicted_idle_share", IDLE, -1.0, "returned -1.0")
+
+
+def test_torchs_pipeline_code_is_switched_off_for_the_prediction():
+    """torch's code that builds, simulates or pads pipeline orders with bubbles (found by name) is switched off
+    while the prediction runs; what else torch names idle time measures a profiler's trace, no pipeline."""
+    not_the_job = {
+        "torch.profiler._utils": "the idle time of a GPU in a profiler's trace",
+        "torch._dynamo.symbolic_convert": "an exception passed up the compiler's interpreters",
+    }
+    job = r"(\w*(?:1f1b|gpipe|pipeline_order|schedule_ops|simulate_comms|ZeroBubble|ZBV|DualPipe|bubble|idle_time)\w*)"
+    off = checks.idle_switched_off()
+    anywhere = functions_doing(re.compile(rf"^[ \t]*(?:class|def) {job}", re.M | re.I))
+    assert "torch.distributed.pipelining.schedules" in anywhere and "torch.profiler._utils" in anywhere
+    top = {m: n for m, n in functions_doing(re.compile(rf"^(?:class|def) {job}", re.M | re.I)).items()
+           if m not in not_the_job}  # fmt: skip
+    assert not not_switched_off(top, off), not_switched_off(top, off)
+    bare = sorted(m for m in anywhere if m not in not_the_job and not any(k.startswith(m + ".") for k in off))
+    assert not bare, f"torch modules doing the prediction's job, none of it switched off: {bare}"
+
+
+def test_correct_answers_written_otherwise_pass():
+    """einsum everywhere (it sums a length-1 axis elementwise: no matrix product reaches the dispatcher), and a
+    W that takes each weight's gradient one sequence at a time and adds them up: both are right."""
+    import torch
+
+    from parallel_lab.grading import check_split_backward
+
+    def b_einsum(x, h, w1, b1, w2, b2, grad_y):
+        gh = torch.einsum("...o,oh->...h", grad_y, w2) * (h > 0)
+        return torch.einsum("...h,hi->...i", gh, w1), (x, torch.relu(h), gh, grad_y)
+
+    def w_einsum(keep):
+        x, a, gh, gy = keep
+        return (torch.einsum("...h,...i->hi", gh, x), gh.flatten(0, -2).sum(0),
+                torch.einsum("...o,...h->oh", gy, a), gy.flatten(0, -2).sum(0))  # fmt: skip
+
+    def w_per_sequence(keep):
+        x, a, gh, gy = keep
+        if x.dim() == 2:
+            return w_einsum(keep)
+        gw1 = sum(gh[i].T @ x[i] for i in range(x.shape[0]))
+        gw2 = sum(gy[i].T @ a[i] for i in range(x.shape[0]))
+        return gw1, gh.sum((0, 1)), gw2, gy.sum((0, 1))
+
+    check_split_backward(b_einsum, w_einsum)
+    check_split_backward(b_einsum, w_per_sequence)

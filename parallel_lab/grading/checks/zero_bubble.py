@@ -24,6 +24,17 @@ m(T_F + T_B + T_W); a fixed case has a W so slow that the last stage ends last, 
 bubble (B and W as one backward, or W right after its B), the latency paid in one direction only or once
 per link.
 
+`predicted_idle_share(schedule, stages, microbatches)` (schedule "1f1b", "zb-h1" or "zb-h2") is called on every
+case first, and its answers stored before anything runs: 17 fixed cases (one stage, one micro-batch, ZB-H2 with
+p <= m < 2p - 1, fewer micro-batches than stages, the lesson's p = 4, m = 8) and 25 drawn each run (2 to 8 stages,
+1 to 3p micro-batches, all three schedules). Each is compared, to 1e-9, with the idle share of a step (lesson
+09's: 1 - busy / (p · span), the span from the first compute on any stage to the last) that the lab's simulator
+gives on the ideal emulated device (F 1, B 1, W 1, an unsplit backward 2, messages free). Then one drawn case, ZB-H1
+or ZB-H2 with one micro-batch on 2 ranks, runs on the lab's executor (20 ms per forward, 3 steps), and the stored
+prediction must lie within 4 points of the least disturbed measured step (1 or 2). Named slips: the paper's bubble
+rate, each stage charged for its own span only (the flush ignored), the lesson's closed forms where they do not
+hold, ZB-H2 taken as zero, 1F1B's backward counted as 1 unit.
+
 Switched off while the learner's functions run. Exercise 1: every way to let torch differentiate
 (`differentiation_off`; `_Watch` refuses graphs and backward kernels), torch's split helpers
 (`torch.distributed.pipelining._backward`: stage_backward_input / stage_backward_weight do exactly this job,
@@ -35,7 +46,9 @@ numbers and any tensor larger than the largest the stage's backward makes (a bro
 for a matrix product). Not caught: a product written as a Python loop of small element-wise operations,
 and the watch popped with torch's private dispatch calls; the check is no sandbox. Exercise 2: the lab's
 pipeline package (schedules, simulator, zero_bubble, viz, executor), its bubble formula, torch's pipeline
-schedules and visualizer (`pipeline.switched_off`) and this module's references.
+schedules and visualizer (`pipeline.switched_off`) and this module's references. Exercise 3: exercise 2's list
+(`measured_bubble` and `measured_times` are in the lab's viz), the planner's `zero_bubble_size`, and this module's
+references, the live measurement among them.
 """
 
 from __future__ import annotations
@@ -63,7 +76,7 @@ from parallel_lab.grading.checks import (
     threads_off,
 )
 
-__all__ = ["check_split_backward", "check_zb_h1_bubble_rate"]
+__all__ = ["check_predicted_idle_share", "check_split_backward", "check_zb_h1_bubble_rate"]
 
 _BY_HAND = "write B and W with matrix products of your own"
 _ONE_THREAD = "run your tensor operations on the thread that calls your function: the check watches that one"
@@ -323,14 +336,32 @@ def _role(c: _Case, m: int, k: int, n: int) -> str:
     return ""
 
 
+def _role_flops(c: _Case) -> dict[str, int]:
+    """The FLOPs each of the backward's four products takes, by role (as `_role` names them)."""
+    return {
+        "the gradient at a = relu(h), through w2": 2 * c.n * c.d_out * c.d_h,
+        "the gradient of x, through w1": 2 * c.n * c.d_h * c.d_in,
+        "the gradient of w1 (a product over the tokens)": 2 * c.n * c.d_h * c.d_in,
+        "the gradient of w2 (a product over the tokens)": 2 * c.n * c.d_out * c.d_h,
+    }
+
+
 def _flops_verdict(c: _Case, where: str, half: str, products: list, want_roles: tuple[str, str]) -> None:
+    # a product summing over an axis of length 1 is an elementwise one (torch.einsum runs it so, and no matrix
+    # product reaches the dispatcher): on such a stage the FLOPs say nothing, and the gradients alone are compared
+    if min(c.n, c.d_h, c.d_out) == 1:
+        return
     got = sum(2 * m * k * n * b for m, k, n, b in products)
     want = 2 * c.n * c.d_h * (c.d_out + c.d_in)  # both halves: two products of these sizes each
     roles = [_role(c, m, k, n) for m, k, n, _ in products]
-    if got == want and (not c.distinct or sorted(roles) == sorted(want_roles)):
+    per_role: dict[str, int] = {}
+    for r, (m, k, n, b) in zip(roles, products):  # one product per role, or one per sequence: the same FLOPs
+        per_role[r] = per_role.get(r, 0) + 2 * m * k * n * b
+    expected = _role_flops(c)
+    if got == want and (not c.distinct or all(per_role.get(r) == expected[r] for r in want_roles)):
         return
     extra = [r for r in dict.fromkeys(roles) if r and r not in want_roles]
-    twice = [r for r in want_roles if roles.count(r) > 1]
+    twice = [r for r in want_roles if per_role.get(r, 0) > expected[r]]
     what = "the two input-side products" if half == "B" else "the two weight-gradient products"
     text = f"{where}: your {half} ran {got:,} FLOPs of matrix products, {what} take {want:,}."
     weights = [r for r in extra if "gradient of w" in r]
@@ -585,4 +616,153 @@ def check_zb_h1_bubble_rate(fn: Callable) -> None:
     passed(
         "check_zb_h1_bubble_rate",
         f"{len(_FIXED_RATE)} fixed and {_DRAWN_RATE} drawn cases against the simulator",
+    )
+
+
+# ----------------------------------------------------------------------------- exercise 3: predict, then measure
+@functools.cache
+def idle_switched_off() -> dict[str, str]:
+    """Exercise 3's switched-off list: exercise 2's (the lab's pipeline package, `measured_bubble` and
+    `measured_times` among it, lesson 09's bubble formula, torch's pipeline schedules and visualizer), the
+    planner's zero-bubble formula, and this module's references."""
+    return {
+        **rate_switched_off(),
+        "parallel_lab.costmodel.planner.zero_bubble_size": "",
+        **{f"{__name__}.{n}": "" for n in ("_idle_share", "_idle_slip", "_measure_live", "_live_case")},
+    }
+
+
+_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+
+
+def _idle_share(schedule: str, p: int, m: int) -> float:
+    """The reference: the idle share of a step on the ideal emulated device (F 1, B 1, W 1; 1F1B's unsplit
+    backward B + W = 2, as `simulate` charges it; messages free), the span from the first compute to the last."""
+    from parallel_lab.pipeline import make_schedule, simulate
+
+    return simulate(make_schedule(schedule, p, m), 1.0, 1.0, t_w=1.0).bubble_fraction
+
+
+def _measure_live(schedule: str, microbatches: int) -> float:
+    """The idle share the lab's executor shows on 2 ranks (lesson 09's `measured_bubble`), on the least
+    disturbed of steps 1 and 2 (step 0 warms up): other work on the machine only adds idle time."""
+    import parallel_lab as pl
+    from parallel_lab.pipeline.executor import PipelineConfig, train_pipeline
+    from parallel_lab.pipeline.viz import measured_bubble
+
+    m = microbatches
+    cfg = PipelineConfig(schedule=schedule, microbatches=m, layers=8, batch=4 * m, steps=3, compute_time=0.02)
+    run = pl.launch(train_pipeline, 2, cfg, threads=1)
+    return min(measured_bubble(run, step) for step in (1, 2))
+
+
+#: what the run measures: ZB-H1 or ZB-H2 on 2 ranks with fewer micro-batches than either closed form needs
+#: (m >= p for ZB-H1, m >= 2p - 1 for ZB-H2). One micro-batch: ZB-H2 with two measured up to 4.2 points above
+#: the ideal device with both cores busy (each message on the critical path adds the host's work), one at most 2.3
+_LIVE = (("zb-h1", 1), ("zb-h2", 1))
+_LIVE_TOLERANCE = 0.04  # the run sits a point or two above the ideal device: messages and the host's work
+
+
+def _live_case(rnd: random.Random) -> tuple[str, int, int]:
+    schedule, m = rnd.choice(_LIVE)
+    return schedule, 2, m
+
+
+def _idle_slip(got: float, want: float, schedule: str, p: int, m: int) -> str:
+    """The usual wrong answer `got` matches, named ('' for none); a slip whose value is right here is skipped."""
+    from parallel_lab.pipeline import make_schedule, simulate
+
+    sim = simulate(make_schedule(schedule, p, m), 1.0, 1.0, t_w=1.0)
+    busy = 3.0 * m  # every stage: m forwards and m backwards, B and W together
+    spans = [rank[-1][1] - rank[0][0] for rank in sim.spans]
+    flush = (
+        "That charges each stage only for its own span, from its first compute to its last; the step ends in a "
+        "flush, so every stage waits until the last compute on any stage ends, and is charged the whole step."
+    )
+    slips: list[tuple[float, str]] = []
+    if schedule == "zb-h2":
+        slips.append((0.0, "That takes ZB-H2 as zero: zero is the paper's bubble rate, per stage, and only with "
+                           "at least 2·stages − 1 micro-batches; a step ending in a flush charges every stage "
+                           "for the whole step."))  # fmt: skip
+    need = {"zb-h1": (p, "microbatches >= stages"), "zb-h2": (2 * p - 1, "microbatches >= 2·stages − 1")}
+    if schedule in need and m < need[schedule][0]:
+        for k in (1.0, 0.0) if schedule == "zb-h2" else (1.0,):  # ZB-H1's size under a flush; ZB-H2's own
+            size = (p - 1) * k
+            slips.append((size / (busy + size),
+                          f"That is what the lesson's closed forms give (its bubble sizes, or ZB-H1's idle share "
+                          f"under a flush), which hold for {schedule.upper()} only with {need[schedule][1]}; "
+                          f"this case has {m} micro-batch{'es' if m > 1 else ''} on {p} stages."))  # fmt: skip
+    slips.append((sim.bubble_rate,
+                  "That is the paper's bubble rate: each stage measured from its own first compute to its own "
+                  "last, the longest taken as the cost. A step that ends in a flush runs from the first compute "
+                  "on any stage to the last on any stage, for every stage."))  # fmt: skip
+    slips += [(1.0 - p * busy / sum(spans), flush), (sum(1.0 - busy / s for s in spans) / p, flush)]
+    if schedule == "1f1b":
+        unsplit = (
+            "1F1B's backward is not split: on the emulated device it takes B + W = 2 units, in the timeline and "
+            "in the busy time alike."
+        )
+        b_one = simulate(make_schedule("1f1b", p, m), 1.0, 1.0).makespan  # its backward taken as 1
+        slips += [(1.0 - busy / b_one, unsplit), (1.0 - 2.0 * m / sim.makespan, unsplit)]
+    return next((why for value, why in slips if abs(got - value) <= 1e-9 and abs(value - want) > 1e-9), "")
+
+
+#: (schedule, stages, microbatches), in the order checked: one stage; one micro-batch; ZB-H2 with
+#: p <= m < 2p - 1 (its closed form does not hold, ZB-H1's would); fewer micro-batches than stages;
+#: the lesson's p = 4, m = 8
+_FIXED_IDLE = [("1f1b", 1, 4), ("zb-h1", 1, 3), ("zb-h2", 1, 5), ("1f1b", 3, 1), ("zb-h1", 4, 1),
+               ("zb-h2", 5, 1), ("zb-h2", 4, 5), ("zb-h2", 3, 4), ("zb-h2", 5, 8), ("1f1b", 5, 3),
+               ("zb-h1", 4, 3), ("zb-h1", 7, 2), ("zb-h2", 4, 3), ("zb-h2", 6, 4), ("1f1b", 4, 8),
+               ("zb-h1", 4, 8), ("zb-h2", 4, 8)]  # fmt: skip
+_DRAWN_IDLE = 24
+
+
+def _drawn_idle(rnd: random.Random) -> list[tuple[str, int, int]]:
+    out = []
+    for i in range(_DRAWN_IDLE):
+        p = rnd.randint(2, 8)
+        out.append((_SCHEDULES[i % 3], p, rnd.randint(1, 3 * p)))
+    return out
+
+
+def check_predicted_idle_share(fn: Callable) -> None:
+    """`fn(schedule, stages, microbatches)` -> the idle share one step of the lab's executor shows on the
+    emulated device; predicted for every case before anything runs, then one case measured on 2 ranks."""
+    require_callable(fn)
+    rnd = random.Random(draw_seed())
+    live = _live_case(rnd)
+    cases = _FIXED_IDLE + _drawn_idle(rnd) + [live]
+
+    def where(schedule: str, p: int, m: int) -> str:
+        return f"predicted_idle_share(schedule={schedule!r}, stages={p}, microbatches={m})"
+
+    def predict_all() -> list:  # every prediction, locked in before anything is simulated or run
+        return [call_learner(fn, where(*c), *c) for c in cases]
+
+    got = guarded(predict_all, idle_switched_off(), "this exercise (predicted_idle_share)")()
+    predicted = {}
+    for case, value in zip(cases, got):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise AssertionError(f"{where(*case)} must return a finite number, got {value!r}")
+        want = _idle_share(*case)
+        if not abs(value - want) <= 1e-9:
+            slip = _idle_slip(value, want, *case)
+            side = "more" if value > want else "less"
+            raise AssertionError(
+                f"{where(*case)} returned {value!r}, {side} than the idle share of that step on the emulated "
+                f"device (compared to 1e-9).{' ' + slip if slip else ''}"
+            )
+        predicted[case] = value
+    measured = _measure_live(live[0], live[2])
+    if not abs(predicted[live] - measured) <= _LIVE_TOLERANCE:
+        raise AssertionError(
+            f"{where(*live)} was stored as {predicted[live]:.1%} before the run; 2 ranks of the lab's executor "
+            f"measured {measured:.1%} on the least disturbed of steps 1 and 2, more than "
+            f"{_LIVE_TOLERANCE * 100:.0f} points apart. Every prediction matched the ideal device, so the run was disturbed "
+            "(other work on this machine only adds idle time): grade again when it is quieter."
+        )
+    passed(
+        "check_predicted_idle_share",
+        f"{len(_FIXED_IDLE)} fixed and {_DRAWN_IDLE + 1} drawn cases against the emulated device, one of them "
+        f"measured on 2 ranks within {_LIVE_TOLERANCE * 100:.0f} points",
     )

@@ -15,10 +15,21 @@ from solution_code import _cells, check_cells, run_check
 LESSONS = [f"{i:02d}" for i in range(1, 20)]
 
 
+def _own_file_runs(lesson: str, checks: list[str]) -> bool:
+    """The lesson's own test file runs its solution through every one of these checks already."""
+    from solution_code import REPO
+
+    own = REPO / "tests" / f"test_exercises_{lesson}.py"
+    text = own.read_text() if own.exists() else ""
+    return "def test_the_solution_passes_with_one_line" in text and all(c in text for c in checks)
+
+
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_the_reference_solution_passes_every_check(lesson, capsys):
-    for cell in check_cells(lesson):
-        check = re.search(r"^(check_\w+)\(", cell, re.M).group(1)
+    checks = [re.search(r"^(check_\w+)\(", cell, re.M).group(1) for cell in check_cells(lesson)]
+    if _own_file_runs(lesson, checks):  # each check runs a second or more: once per suite is enough
+        pytest.skip(f"tests/test_exercises_{lesson}.py runs the solution through every check")
+    for check in checks:
         run_check(lesson, check)
         assert f"{check} passed" in capsys.readouterr().out
 

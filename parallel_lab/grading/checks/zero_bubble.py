@@ -659,8 +659,7 @@ def _measure_live(schedule: str, stages: int, microbatches: int) -> float:
     import statistics
 
     import parallel_lab as pl
-    from parallel_lab.pipeline.executor import PipelineConfig, train_pipeline
-    from parallel_lab.pipeline.viz import measured_bubble
+    from parallel_lab.pipeline import PipelineConfig, measured_bubble, train_pipeline
 
     m = microbatches
     cfg = PipelineConfig(schedule=schedule, microbatches=m, layers=3 * stages, batch=4 * m, steps=4,

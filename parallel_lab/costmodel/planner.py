@@ -357,11 +357,13 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
         if pp > 1
         else [(model.layers, logits_mm, logits_mem)]
     )
-    n_slow, lmm_slow, _ = max(stages, key=lambda st: st[0] * (mm + mem + tpc) + st[1] + st[2])
-    per_mb = max(
-        ({"matmul": n * mm + lmm, "memory": n * mem + lmem, "tp_comm": n * tpc} for n, lmm, lmem in stages),
-        key=lambda d: sum(d.values()),
-    )
+    n_slow, lmm_slow, per_mb = max(
+        (
+            (n, lmm, {"matmul": n * mm + lmm, "memory": n * mem + lmem, "tp_comm": n * tpc})
+            for n, lmm, lmem in stages
+        ),
+        key=lambda st: sum(st[2].values()),
+    )  # the slowest stage: its layers, its logits' GEMMs, and its time per micro-batch by kind
     t_mb = sum(per_mb.values())
     bwd_mb = L_stage * (lt.matmul_bwd + lt.memory_bwd)  # what a gradient reduction can hide behind
 

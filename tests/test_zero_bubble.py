@@ -246,16 +246,17 @@ def test_zb_h1_order_equals_torchs_interleaved_zero_bubble_on_one_stage_per_rank
 
 
 def test_the_executor_takes_the_split_schedules():
-    """The executor splits B from W, so configs and the pipeline / three_d scripts take ZB-H1 and ZB-H2."""
+    """The executor splits B from W, so configs and the pipeline / three_d scripts take ZB-H1, ZB-H2,
+    ZB-V and DualPipeV."""
     from parallel_lab.pipeline import SCHEDULES, SIMULATED_SCHEDULES, PipelineConfig
     from parallel_lab.three_d.run import ThreeDConfig
 
-    assert {"zb-h1", "zb-h2"} <= set(SCHEDULES) and set(SIMULATED_SCHEDULES) == set(SCHEDULES)
-    for name in NAMES:
+    assert {*NAMES, *V_NAMES} <= set(SCHEDULES) and set(SIMULATED_SCHEDULES) == set(SCHEDULES)
+    for name in (*NAMES, *V_NAMES):
         assert PipelineConfig(schedule=name, microbatches=8).schedule == name
         assert ThreeDConfig(schedule=name).schedule == name
     with pytest.raises(ValueError, match="PipelineConfig.schedule must be one of"):
-        PipelineConfig(schedule="zb-v")
+        PipelineConfig(schedule="zb-2p")
 
 
 # ----------------------------------------------------------------------------- the split backward
@@ -464,13 +465,17 @@ def test_measured_bubble_within_three_points_of_the_simulator_fed_with_measured_
     from parallel_lab.pipeline import PipelineConfig, measured_bubble, measured_times, train_pipeline
 
     m = 2 * world
-    for name in ("1f1b", *NAMES) if world == 4 else ("zb-h1",):
-        cfg = PipelineConfig(schedule=name, microbatches=m, layers=8, batch=4 * m, steps=4, compute_time=0.02)
+    for name in ("1f1b", *NAMES, "zb-v") if world == 4 else ("zb-h1",):
+        v, where = (2, "v") if name == "zb-v" else (1, "loop")
+        # a V's chunk is half a stage: 40 ms per stage keeps each F, B and W at 20 ms, as the others
+        cfg = PipelineConfig(
+            schedule=name, microbatches=m, layers=8, batch=4 * m, steps=4, compute_time=0.02 * v
+        )
         run = pl.launch(train_pipeline, world, cfg, **LAUNCH)
         best = min(range(1, 4), key=lambda s: measured_bubble(run, s))  # step 0 warms up
-        times = measured_times(run, best)
+        times = measured_times(run, best, placement=where)
         assert times["t_w"] > 0 if name != "1f1b" else times["t_w"] == 0, times
-        want = simulate(make_schedule(name, world, m), **times).bubble_fraction
+        want = simulate(make_schedule(name, world, m), chunks=v, placement=where, **times).bubble_fraction
         got = measured_bubble(run, best)
         assert abs(got - want) < 0.03, (name, world, got, want, times)
 
@@ -502,3 +507,177 @@ def test_the_planner_charges_the_zero_bubble_schedules_their_bubble_and_memory()
             size = _bubble(sim, m, *t)
             want, why = zero_bubble_size(name, p, m, *t)
             assert size == pytest.approx(want) if not why else size <= want + 1e-9, (name, p, m, t, why)
+
+
+# ----------------------------------------------------------------------------- ZB-V and DualPipeV
+V_NAMES = ("zb-v", "dualpipev")
+
+
+def _v(name: str, p: int, m: int) -> list[list[Step]]:
+    return make_schedule(name, p, m)
+
+
+def test_v_orders_equal_torchs_rank_by_rank_and_validate():
+    """ZB-V from m = 1 and DualPipeV from m = 2p (its rule), p = 1..8: torch 2.13's
+    ScheduleZBVZeroBubble / ScheduleDualPipeV, rank by rank (FULL_BACKWARD = B then W, an
+    OVERLAP_F_B = its F then its full backward); valid with the V placement, every link in posting
+    order, no deadlock under NCCL's rules, and each rank's peak at the schedule's bound."""
+    import warnings
+
+    from parallel_lab.pipeline import compare_with_torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for p in range(1, 9):
+            for m in sorted({1, p, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p + 1}):
+                for name in V_NAMES:
+                    if name == "dualpipev" and m < 2 * p:
+                        with pytest.raises(ValueError, match="microbatches >= 2 x ranks"):
+                            _v(name, p, m)
+                        continue
+                    if p > 1:  # torch's DualPipeV refuses one rank
+                        assert compare_with_torch(name, p, m) == [], (name, p, m)
+                    got = validate_schedule(_v(name, p, m), m, 2, placement="v")
+                    assert got["split"] and max(got["peak_in_flight"]) == max_in_flight(name, p, m), (
+                        name,
+                        p,
+                        m,
+                    )
+    # in loop placement the same lists are refused: stage p-1 must hand on to stage p on its own rank
+    with pytest.raises(ScheduleError, match="peer must be"):
+        validate_schedule(_v("zb-v", 4, 8), 8, 2)
+    with pytest.raises(ValueError, match="exactly 2 chunks"):
+        validate_schedule(_v("zb-v", 4, 8), 8, 3, placement="v")
+
+
+def test_v_placement_maps_stages_both_ways():
+    from parallel_lab.pipeline import rank_of, stage_of
+
+    for p in range(1, 9):
+        stages = [stage_of(r, c, p, "v") for r in range(p) for c in (0, 1)]
+        assert sorted(stages) == list(range(2 * p))
+        assert all(rank_of(stage_of(r, c, p, "v"), p, "v") == r for r in range(p) for c in (0, 1))
+        assert stage_of(0, 1, p, "v") == 2 * p - 1 and rank_of(p, p, "v") == p - 1  # the turn: rank p-1
+
+
+def test_zb_v_has_no_bubble_with_equal_times_and_dualpipev_against_its_readme():
+    """ZB-V with T_F = T_B = T_W, m >= 2p: no rank waits between its first compute and its last (the
+    paper's section 6 claim). DualPipeV: the DualPipe README gives (PP/2 - 1)(F&B + B - 3W) per chunk, PP =
+    2p stages, B the full backward, F&B an overlapped pair. The lab runs a pair as F then B (F&B = F + B);
+    with equal times the simulator's bubble is then half the formula's, and with T_W <= T_F <= T_B it
+    never exceeds the formula on the grid below (outside that it can: a forward longer than B, or a W
+    so long that the formula drops to zero or below; the README does not say how it measures)."""
+    for p in range(2, 7):
+        for m in (2 * p, 3 * p):
+            sim = simulate(_v("zb-v", p, m), 1.0, 1.0, 0.0, 2, t_w=1.0, placement="v")
+            assert _bubble(sim, m, 1, 1, 1) == pytest.approx(0, abs=1e-9), (p, m)
+            sim = simulate(_v("dualpipev", p, m), 1.0, 1.0, 0.0, 2, t_w=1.0, placement="v")
+            f, b, w = 0.5, 1.0, 0.5  # per chunk: F, the full backward (B + W), W
+            readme = (p - 1) * ((f + b) + b - 3 * w)
+            assert _bubble(sim, m, 1, 1, 1) == pytest.approx(readme / 2), (p, m)
+    for p, m in ((2, 4), (4, 8), (4, 9)):
+        for t_f, t_b, t_w in itertools.product((0.5, 0.75, 1.0, 1.5, 2.0), repeat=3):
+            if not t_w <= t_f <= t_b:
+                continue
+            sim = simulate(_v("dualpipev", p, m), t_f, t_b, 0.0, 2, t_w=t_w, placement="v")
+            f, b, w = t_f / 2, (t_b + t_w) / 2, t_w / 2
+            assert _bubble(sim, m, t_f, t_b, t_w) <= (p - 1) * ((f + b) + b - 3 * w) + 1e-9, (
+                p,
+                m,
+                t_f,
+                t_b,
+                t_w,
+            )
+
+
+def test_v_schedules_run_equal_1f1b_bit_for_bit_on_2_4_and_8_ranks():
+    """The executor with the V placement: rank 0 holds the first and the last stage, rank p-1 hands
+    on to itself at the turn. Parameters and losses equal 1F1B's bit for bit (each W accumulates in
+    1F1B's micro-batch order), and 1F1B matches one process (test_pipeline's parity)."""
+    import numpy as np
+    from test_pipeline import LAUNCH
+
+    import parallel_lab as pl
+    from parallel_lab.pipeline import PipelineConfig, train_pipeline
+
+    for world, m in ((2, 4), (4, 8), (8, 16)):
+        kw = dict(microbatches=m, layers=2 * world, batch=2 * m, steps=2)
+        base = pl.launch(train_pipeline, world, PipelineConfig(schedule="1f1b", **kw), **LAUNCH)
+        for name in V_NAMES if world != 8 else ("dualpipev",):
+            run = pl.launch(train_pipeline, world, PipelineConfig(schedule=name, **kw), **LAUNCH)
+            assert run.values[0]["losses"] == base.values[-1]["losses"], (
+                name,
+                world,
+            )  # the loss is on rank 0
+            for key in ("grads", "params"):
+                ours, theirs = _merged_np(run, key), _merged_np(base, key)
+                assert ours.keys() == theirs.keys()
+                assert all(np.array_equal(ours[n], theirs[n]) for n in ours), (name, world, key)
+
+
+def test_torchs_v_schedules_train_to_our_bits_on_gloo():
+    """torch's ScheduleZBVZeroBubble and ScheduleDualPipeV on the same two V stages per rank (gloo, CPU):
+    losses and parameters equal the lab's executor bit for bit."""
+    import numpy as np
+    import torch.nn.functional as F
+    from test_pipeline import LAUNCH
+
+    import parallel_lab as pl
+    from parallel_lab.pipeline import PipelineConfig, train_pipeline
+
+    cfgs = {name: PipelineConfig(schedule=name, microbatches=8, layers=8, steps=2) for name in V_NAMES}
+    for name, cfg in cfgs.items():
+        theirs = pl.launch(_torch_v, 4, cfg, F.mse_loss, **LAUNCH)
+        ours = pl.launch(train_pipeline, 4, cfg, **LAUNCH)
+        assert theirs.values[0][0] == ours.values[0]["losses"], name
+        tp = {k: a for val in theirs.values for k, a in val[1].items()}
+        op = _merged_np(ours, "params")
+        assert tp.keys() == op.keys() and all(np.array_equal(tp[k], op[k]) for k in op), name
+
+
+def _torch_v(ctx, cfg, loss_fn):
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+    from parallel_lab.models import build_model
+    from parallel_lab.pipeline import reference_batches, stage_modules
+
+    p, r = ctx.world_size, ctx.rank
+    model = build_model(cfg.model_config, seed=cfg.seed, device=ctx.device)
+    mods, params = stage_modules(model, p, 2, r, "v")
+    stages = [PipelineStage(mods[c], (r, 2 * p - 1 - r)[c], 2 * p, ctx.device) for c in (0, 1)]
+    cls = ScheduleZBVZeroBubble if cfg.schedule == "zb-v" else ScheduleDualPipeV
+    schedule = cls(stages, cfg.microbatches, loss_fn=loss_fn)
+    opt = torch.optim.SGD([q for mod in mods.values() for q in mod.parameters()], lr=cfg.lr)
+    losses = []
+    for x, y in reference_batches(cfg):
+        got: list = []
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        schedule.step(*([x] if r == 0 else []), **({"target": y, "losses": got} if r == 0 else {}))
+        opt.step()
+        opt.zero_grad()
+        losses.append(sum(t.item() for t in got) / len(got) if got else None)
+    return losses, {n: q.detach().cpu().numpy().copy() for n, q in params.items()}
+
+
+def test_v_schedules_in_three_d_with_a_tied_embedding_on_rank_0():
+    """TinyGPT on 4 pipeline ranks: in a V, rank 0 holds the embedding and the head, one tied tensor
+    (no embedding group), stepped once. Equal to 1F1B up to the order the tie's two gradients are added."""
+    import numpy as np
+    from test_pipeline import LAUNCH
+
+    import parallel_lab as pl
+    from parallel_lab.models import GPTConfig
+    from parallel_lab.runtime.parallel_dims import ParallelDims
+    from parallel_lab.three_d.run import ThreeDConfig, train_3d
+
+    gpt = GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=8)
+    runs = {name: pl.launch(train_3d, 4, ThreeDConfig(schedule=name, microbatches=8, steps=2, gpt=gpt),
+                            ParallelDims(pp=4), **LAUNCH) for name in ("1f1b", "zb-v")}  # fmt: skip
+    ref, got = (_merged_np(runs[n], "params") for n in ("1f1b", "zb-v"))
+    assert ref.keys() == got.keys()
+    assert max(float(np.abs(ref[k] - got[k]).max()) for k in ref) < 1e-5
+    losses = [v["losses"] for v in runs["zb-v"].values if v["losses"] is not None]
+    assert runs["zb-v"].values[0]["losses"] is not None and len(losses) == 1
+    assert np.allclose(losses[0], [v["losses"] for v in runs["1f1b"].values if v["losses"]][0], atol=1e-6)

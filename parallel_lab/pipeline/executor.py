@@ -2,7 +2,7 @@
 
 The same `list[list[Step]]` the simulator draws runs here, step by step, on a
 `TinyMLP` cut into p * v virtual stages (rank r holds chunks c = 0..v-1, virtual
-stage c*p + r; the head goes with the last one). F runs a chunk on one
+stage c*p + r, or r and 2p-1-r in a V (ZB-V, DualPipeV); the head goes with the last one). F runs a chunk on one
 micro-batch, B back-propagates the gradient received from the next stage (in a
 schedule with W steps, ZB-H1 / ZB-H2, only to the stage's input: `SplitBackward`;
 W later adds the weight gradients), RECV_* wait for a tagged point-to-point
@@ -38,8 +38,8 @@ from torch.autograd.graph import GradientEdge
 
 from parallel_lab import comms
 from parallel_lab.models import build_model, make_optimizer, synthetic_batch
-from parallel_lab.pipeline.schedules import make_schedule
-from parallel_lab.pipeline.simulator import post_plan, validate_schedule
+from parallel_lab.pipeline.schedules import chunks_of, make_schedule, placement_of
+from parallel_lab.pipeline.simulator import post_plan, stage_of, validate_schedule
 from parallel_lab.pipeline.stages import PipelineConfig, reference_batches, split_layers, stage_modules
 from parallel_lab.runtime.device import bind_thread, is_cuda, on_stream, side_stream, spin, used_here
 from parallel_lab.runtime.parallel_dims import ParallelDims
@@ -222,10 +222,10 @@ class StageParts(NamedTuple):
 
 def mlp_stage_parts(ctx, cfg: PipelineConfig, stages: int, rank: int) -> StageParts:
     """This pipeline rank's chunks of the seeded TinyMLP, trained with MSE."""
-    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    v = chunks_of(cfg.schedule, cfg.chunks)
     with torch.no_grad():
         model = build_model(cfg.model_config, seed=cfg.seed, device=ctx.device)  # same on every rank
-        mods, params = stage_modules(model, stages, v, rank)
+        mods, params = stage_modules(model, stages, v, rank, placement_of(cfg.schedule))
     return StageParts(mods, params, F.mse_loss, (cfg.hidden,))
 
 
@@ -239,7 +239,8 @@ class PipelineRank:
                  pp_group=None):  # fmt: skip
         self.ctx, self.cfg, self.pp_ranks = ctx, cfg, pp_ranks
         self.p, self.r = len(pp_ranks), pp_ranks.index(ctx.rank)
-        self.v = cfg.chunks if cfg.schedule == "interleaved" else 1
+        self.v = chunks_of(cfg.schedule, cfg.chunks)
+        self.placement = placement_of(cfg.schedule)  # which virtual stages this rank holds
         self.m = cfg.microbatches
         self.dp_group, self.dp_size, self.pp_group = dp_group, dp_size, pp_group
         parts = parts or mlp_stage_parts(ctx, cfg, self.p, self.r)  # the other ranks' layers are gone
@@ -247,16 +248,19 @@ class PipelineRank:
         if ctx.memory is not None:
             for mod in self.mods.values():
                 ctx.memory.register_module(mod)
-        self.opt = make_optimizer(
-            cfg.optimizer, [p for mod in self.mods.values() for p in mod.parameters()], cfg.lr
-        )
+        # a tensor shared by two chunks (in a V, rank 0 holds a tied embedding's both ends) is stepped once
+        unique = {id(p): p for mod in self.mods.values() for p in mod.parameters()}
+        self.opt = make_optimizer(cfg.optimizer, list(unique.values()), cfg.lr)
         if ctx.memory is not None:
             ctx.memory.register_optimizer(self.opt)
         full = make_schedule(cfg.schedule, self.p, self.m, self.v)
-        validate_schedule(full, self.m, self.v)  # a broken list would hang or crash mid-step: refuse it first
+        # a broken list would hang or crash mid-step: refuse it first
+        validate_schedule(full, self.m, self.v, placement=self.placement)
         self.schedule = full[self.r]
         self.split = any(s.kind == "W" for rank in full for s in rank)  # B is the input gradient alone
-        plans, starts = post_plan(full)  # which messages go out together, and when (see p2p_batches)
+        plans, starts = post_plan(
+            full, placement=self.placement
+        )  # which messages go out together, and when (see p2p_batches)
         self.plan, self.starts = plans[self.r], starts[self.r]
         # when the first compute at or after each step starts (a RECV's batch must be out by then)
         upcoming, self.next_start = float("inf"), [0.0] * len(self.schedule)
@@ -264,7 +268,7 @@ class PipelineRank:
             upcoming = self.starts.get(i, upcoming)
             self.next_start[i] = upcoming
         self.last_vs = self.p * self.v - 1
-        self.mail: dict[int, torch.Tensor] = {}  # messages to ourselves (p == 1)
+        self.mail: dict[int, torch.Tensor] = {}  # messages to ourselves (p == 1; stage p-1 -> p in a V)
 
     # -- messages ------------------------------------------------------------------
     def _tag(self, direction: int, mb: int, vs_recv: int) -> int:
@@ -272,7 +276,7 @@ class PipelineRank:
 
     def _message(self, s) -> tuple[int, int]:
         """(global peer, tag) of a SEND/RECV step."""
-        vs = s.chunk * self.p + self.r
+        vs = self._stage(s.chunk)
         tag = {"SEND_F": (0, vs + 1), "RECV_F": (0, vs), "SEND_B": (1, vs - 1), "RECV_B": (1, vs)}[s.kind]
         return self.pp_ranks[s.peer], self._tag(tag[0], s.mb, tag[1])
 
@@ -331,7 +335,7 @@ class PipelineRank:
 
     def step(self, xs: list, ys: list, step: int, keep_outputs: bool = False) -> dict:
         """Run this rank's instruction list once over the m micro-batches, then the optimizer step."""
-        ctx, p, r, cfg = self.ctx, self.p, self.r, self.cfg
+        ctx, p, cfg = self.ctx, self.p, self.cfg
         inputs, outputs, grads, logits, posted, reaper = {}, {}, {}, [], {}, SendReaper(ctx.device)
         box: dict[int, torch.Tensor] = {}  # step index of a SEND -> the tensor its batch will carry
         plan = deque(self.plan)  # this step's batches, posted in order
@@ -358,7 +362,7 @@ class PipelineRank:
             return posted.pop(i).wait()
 
         for i, s in enumerate(self.schedule):
-            key, vs = (s.mb, s.chunk), s.chunk * p + r
+            key, vs = (s.mb, s.chunk), self._stage(s.chunk)
             if s.kind in ("F", "B", "W"):
                 self._post_until(self.starts[i], plan, box, posted, shape, reaper)
                 if rec.now() > idle_host:
@@ -420,7 +424,7 @@ class PipelineRank:
             self._sync_grads(list(self.params.values()))
         if self.extra_sync is not None:
             self.extra_sync()
-        out = {"loss": loss_sum if self.last_vs in [c * p + r for c in range(self.v)] else None}
+        out = {"loss": loss_sum if self.last_vs in [self._stage(c) for c in range(self.v)] else None}
         if keep_outputs:  # numpy copies: not tensors, so the memory plot shows the training alone
             out["grads"] = {n: _np(q.grad) for n, q in self.params.items() if q.grad is not None}
             out["outputs"] = np.concatenate(logits) if logits else None
@@ -428,6 +432,10 @@ class PipelineRank:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         return out
+
+    def _stage(self, chunk: int) -> int:
+        """The virtual stage this rank's chunk holds (c*p + r; in a V, r or 2p-1-r)."""
+        return stage_of(self.r, chunk, self.p, self.placement)
 
     def _name(self, kind: str, chunk: int) -> str:
         return f"{kind}.c{chunk}" if self.v > 1 else kind

@@ -43,8 +43,8 @@ from parallel_lab.pipeline.simulator import (
 )
 
 __all__ = [
-    "COMMS", "COMPUTE", "SCHEDULES", "SIMULATED_SCHEDULES", "ScheduleError", "SimResult", "Step", "add_comms", "check_blocking_sends",
-    "make_schedule", "p2p_batches",
+    "COMMS", "COMPUTE", "SCHEDULES", "SIMULATED_SCHEDULES", "V_SCHEDULES", "ScheduleError", "SimResult", "Step", "add_comms", "check_blocking_sends",
+    "chunks_of", "make_schedule", "p2p_batches", "placement_of",
     "max_in_flight", "order_1f1b", "order_gpipe", "order_interleaved", "schedule_1f1b", "schedule_gpipe",
     "schedule_interleaved_1f1b", "schedule_naive", "simulate", "validate_schedule",
 ]  # fmt: skip
@@ -119,15 +119,38 @@ def schedule_interleaved_1f1b(stages: int, microbatches: int, chunks: int = 2) -
 
 #: the schedules the executor runs on real ranks (configs and scripts take these); the zero-bubble
 #: ones split each backward into B and W (`executor.SplitBackward`)
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
 #: the schedules the validator and simulator take: all of the executor's, for now
 SIMULATED_SCHEDULES = SCHEDULES
+#: two chunks per rank in a V (placement "v": rank r holds stages r and 2p-1-r; `pipeline/v_shape.py`)
+V_SCHEDULES = ("zb-v", "dualpipev")
+
+
+def placement_of(name: str) -> str:
+    """Where schedule `name` puts the virtual stages (simulator.PLACEMENTS)."""
+    return "v" if name in V_SCHEDULES else "loop"
+
+
+def chunks_of(name: str, chunks: int = 1) -> int:
+    """Model chunks per rank under schedule `name`: `chunks` for interleaved, 2 in a V, else 1."""
+    return chunks if name == "interleaved" else 2 if name in V_SCHEDULES else 1
 
 
 def make_schedule(name: str, stages: int, microbatches: int = 1, chunks: int = 1) -> list[list[Step]]:
-    """The schedule called `name` (one of `SCHEDULES`); naive ignores microbatches (one batch)."""
+    """The schedule called `name` (one of `SCHEDULES`); naive ignores microbatches (one batch).
+
+    `chunks` is interleaved's v; the V schedules always hold 2 chunks per rank (chunks 1 or 2 taken).
+    Validate, simulate and run a V schedule with `placement=placement_of(name)` and `chunks=2`."""
     if name == "naive":
         return schedule_naive(stages)
+    if name in V_SCHEDULES:
+        if chunks not in (1, 2):
+            raise ValueError(
+                f"chunks={chunks}: {name!r} holds exactly 2 chunks per rank (stages r and 2p-1-r)"
+            )
+        from parallel_lab.pipeline import v_shape  # it builds on this module: imported when asked
+
+        return (v_shape.schedule_zb_v if name == "zb-v" else v_shape.schedule_dualpipev)(stages, microbatches)
     if name != "interleaved" and chunks != 1:
         raise ValueError(f"chunks={chunks} needs schedule='interleaved'; {name!r} runs one chunk per rank")
     if name == "gpipe":
@@ -149,7 +172,9 @@ def max_in_flight(name: str, stages: int, microbatches: int = 1, chunks: int = 1
     naive 1; GPipe m; 1F1B min(p, m); interleaved min(v*m, (v-1)p + 2(p-1) + 1) chunk
     activations, each 1/v of a stage's: p + (p-1)/v stage activations on rank 0 (Korthikanti et al. 2022,
     §4.2.3), 5.5 for p = 4, v = 2. ZB-H1 min(p, m), 1F1B's, and ZB-H2 min(2p-1, m) (Qi et al. 2024,
-    section 2), held on every stage: a split micro-batch is in flight from its F to its W."""
+    section 2), held on every stage: a split micro-batch is in flight from its F to its W. In a V
+    (2 chunks of half a stage each): ZB-V min(2p, 2m) chunk activations, p stages' worth, 1F1B's
+    (Qi et al. 2024, section 6); DualPipeV 2p+1 (the DualPipe README's PP+1 with PP = 2p stages)."""
     if name not in SIMULATED_SCHEDULES:
         raise ValueError(f"name must be one of {SIMULATED_SCHEDULES}, got {name!r}")
     for arg, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
@@ -163,6 +188,8 @@ def max_in_flight(name: str, stages: int, microbatches: int = 1, chunks: int = 1
         "interleaved": min(v * m, (v - 1) * p + 2 * (p - 1) + 1) if v > 1 else min(p, m),
         "zb-h1": min(p, m),
         "zb-h2": min(2 * p - 1, m),
+        "zb-v": min(2 * p, 2 * m),
+        "dualpipev": 2 * p + 1,
     }[name]
 
 

@@ -66,9 +66,41 @@ def _where(r: int, i: int, s: Step) -> str:
     return f"rank {r}, step {i} ({s!r})"
 
 
-def _message(r: int, s: Step, p: int) -> tuple[str, int, int]:
+#: where the virtual stages sit. "loop": rank r holds stages r, p + r, 2p + r, ... (Megatron-LM's
+#: interleaving: each chunk's pipeline loops from the last rank back to the first). "v": two chunks,
+#: rank r holds stages r and 2p-1-r (Qi et al. 2024, section 6: the forward goes down the ranks and
+#: comes back up, so rank 0 holds the first stage and the last, and stage p-1 hands on to stage p on
+#: the same rank; torch's `generate_stage_to_rank_mapping(p, 2p, style="v")`).
+PLACEMENTS = ("loop", "v")
+
+
+def stage_of(rank: int, chunk: int, p: int, placement: str = "loop") -> int:
+    """The virtual stage rank `rank`'s chunk `chunk` holds, of p ranks (see PLACEMENTS)."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def rank_of(stage: int, p: int, placement: str = "loop") -> int:
+    """The rank that holds virtual stage `stage` (the inverse of stage_of)."""
+    if placement == "v":
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
+
+
+def _placement(placement: str, chunks: int) -> str:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if placement == "v" and chunks != 2:
+        raise ValueError(
+            f"placement='v' holds exactly 2 chunks per rank (stages r and 2p-1-r), got chunks={chunks}"
+        )
+    return placement
+
+
+def _message(r: int, s: Step, p: int, placement: str = "loop") -> tuple[str, int, int]:
     """(direction, micro-batch, receiving virtual stage) of a send or receive on rank r."""
-    vs = s.chunk * p + r
+    vs = stage_of(r, s.chunk, p, placement)
     if s.kind == "SEND_F":
         return ("F", s.mb, vs + 1)
     if s.kind == "RECV_F":
@@ -79,14 +111,22 @@ def _message(r: int, s: Step, p: int) -> tuple[str, int, int]:
 
 
 def validate_schedule(
-    schedule: list[list[Step]], microbatches: int, chunks: int = 1, bound: int | None = None
+    schedule: list[list[Step]],
+    microbatches: int,
+    chunks: int = 1,
+    bound: int | None = None,
+    *,
+    placement: str = "loop",
 ) -> dict:
     """Check every rule of the module docstring; raise ScheduleError naming the rank and step.
+
+    `placement`: which virtual stages each rank holds (PLACEMENTS), so who sends to whom.
 
     Returns {"peak_in_flight": per-rank maximum of F done minus B done (minus W done in a split
     schedule: activations are held until W), "split": whether B is split into B and W, "steps": count}.
     """
     m, v = _pos("microbatches", microbatches), _pos("chunks", chunks)
+    placement = _placement(placement, v)
     if not isinstance(schedule, (list, tuple)) or not schedule:
         raise ScheduleError("schedule must be a non-empty list with one list of steps per rank")
     p, last = len(schedule), len(schedule) * v - 1
@@ -105,7 +145,7 @@ def validate_schedule(
                 raise ScheduleError(
                     f"{_where(r, i, s)}: micro-batch must be in [0, {m}) and chunk in [0, {v})"
                 )
-            key, vs, st = (s.mb, s.chunk), s.chunk * p + r, state.get((s.mb, s.chunk))
+            key, vs, st = (s.mb, s.chunk), stage_of(r, s.chunk, p, placement), state.get((s.mb, s.chunk))
             if s.kind == "F":
                 if st is not None and st != "RECV_F":
                     raise ScheduleError(f"{_where(r, i, s)}: a second forward of this micro-batch")
@@ -144,26 +184,29 @@ def validate_schedule(
                     )
                 sent.add((s.kind, *key))
             if s.kind in COMMS:
-                want = (r + (1 if s.kind in ("SEND_F", "RECV_B") else -1)) % p
+                want = rank_of(vs + (1 if s.kind in ("SEND_F", "RECV_B") else -1), p, placement)
                 if s.peer != want:
                     raise ScheduleError(
                         f"{_where(r, i, s)}: peer must be rank {want} (virtual stage {vs} talks to its neighbour)"
                     )
-                msg = _message(r, s, p)
+                msg = _message(r, s, p, placement)
                 (sends if s.kind.startswith("SEND") else recvs)[msg] = (r, i)
-                if s.peer != r:  # the order of each link, for the FIFO check below
-                    link = (r, s.peer) if s.kind.startswith("SEND") else (s.peer, r)
-                    (sent_on if s.kind.startswith("SEND") else recv_on).setdefault(link, []).append(msg)
         missing = [(k, c) for k in range(m) for c in range(v) if state.get((k, c)) != done]
         if missing:
             what = "F, B and W (a schedule that uses W needs one per B)" if split else "F and B"
             raise ScheduleError(f"rank {r}: (micro-batch, chunk) {missing[:4]} never completed {what}")
         if any(
-            k not in sent for k in [("SEND_F", b, c) for b in range(m) for c in range(v) if c * p + r < last]
+            k not in sent
+            for k in [
+                ("SEND_F", b, c) for b in range(m) for c in range(v) if stage_of(r, c, p, placement) < last
+            ]
         ):
             raise ScheduleError(f"rank {r}: a forward whose activation is never sent (SEND_F)")
         if any(
-            k not in sent for k in [("SEND_B", b, c) for b in range(m) for c in range(v) if c * p + r > 0]
+            k not in sent
+            for k in [
+                ("SEND_B", b, c) for b in range(m) for c in range(v) if stage_of(r, c, p, placement) > 0
+            ]
         ):
             raise ScheduleError(f"rank {r}: a backward whose gradient is never sent (SEND_B)")
         if bound is not None and peak > bound:
@@ -173,9 +216,22 @@ def validate_schedule(
         side = "sent but never received" if msg in sends else "received but never sent"
         rank, i = sends.get(msg) or recvs[msg]
         raise ScheduleError(f"message {msg} (rank {rank}, step {i}) is {side}")
-    simulate(schedule, chunks=v)  # raises on deadlock
-    check_blocking_sends(schedule)  # and under NCCL's rules, batched as the executor posts them
-    for link in sent_on:  # backends without tags (NCCL) match a link's messages in posting order
+    simulate(schedule, chunks=v, placement=placement)  # raises on deadlock
+    plans = post_plan(schedule, placement=placement)[0]
+    _check_batches(
+        schedule, [[b for _, b in plan] for plan in plans]
+    )  # NCCL's rules, batched as the executor posts
+    # backends without tags (NCCL) match a link's messages in posting order: the executor's (post_plan),
+    # not the list's (a V's link carries chunk 0's activations and chunk 1's gradients, listed out of step)
+    for r, plan in enumerate(plans):
+        for _, idx in plan:
+            for i in idx:
+                s = schedule[r][i]
+                link = (r, s.peer) if s.kind.startswith("SEND") else (s.peer, r)
+                (sent_on if s.kind.startswith("SEND") else recv_on).setdefault(link, []).append(
+                    _message(r, s, p, placement)
+                )
+    for link in sent_on:
         if sent_on[link] != recv_on.get(link):
             raise ScheduleError(
                 f"link {link[0]} -> {link[1]}: messages are received in another order than sent"
@@ -183,7 +239,9 @@ def validate_schedule(
     return {"peak_in_flight": peaks, "split": split, "steps": sum(len(s) for s in schedule)}
 
 
-def p2p_batches(schedule: list[list[Step]], fused: bool = True) -> list[list[list[int]]]:
+def p2p_batches(
+    schedule: list[list[Step]], fused: bool = True, *, placement: str = "loop"
+) -> list[list[list[int]]]:
     """Per rank, the SEND/RECV steps posted together, in posting order (lists of step indices).
 
     `fused`: the executor's plan, a clock shared by all ranks. The lists run once in the
@@ -202,42 +260,48 @@ def p2p_batches(schedule: list[list[Step]], fused: bool = True) -> list[list[lis
             [[i] for i, s in enumerate(steps) if s.kind in COMMS and s.peer != r]
             for r, steps in enumerate(schedule)
         ]
-    return [[b for _, b in plan] for plan in post_plan(schedule)[0]]
+    return [[b for _, b in plan] for plan in post_plan(schedule, placement=placement)[0]]
 
 
-def post_plan(schedule: list[list[Step]]) -> tuple[list[list[tuple[int, list[int]]]], list[dict[int, int]]]:
+def post_plan(
+    schedule: list[list[Step]], *, placement: str = "loop"
+) -> tuple[list[list[tuple[int, list[int]]]], list[dict[int, int]]]:
     """The executor's plan: per rank, [(time, step indices posted together)] in posting order, and
     {index of each F/B: its start} on the same clock (a batch of time t goes out before the first
     compute that starts at t or later, and before a receive of it is needed)."""
     p = len(schedule)
-    sent_at, starts = _clock(schedule)
+    sent_at, starts = _clock(schedule, placement)
     plans = []
     for r, steps in enumerate(schedule):
         by_time: dict[int, list[int]] = {}
         for i, s in enumerate(steps):
             if s.kind in COMMS and s.peer != r:
-                by_time.setdefault(sent_at[_message(r, s, p)], []).append(i)
+                by_time.setdefault(sent_at[_message(r, s, p, placement)], []).append(i)
         plans.append([(t, by_time[t]) for t in sorted(by_time)])
     return plans, starts
 
 
-def _clock(schedule: list[list[Step]]) -> tuple[dict, list[dict[int, int]]]:
+def _clock(schedule: list[list[Step]], placement: str = "loop") -> tuple[dict, list[dict[int, int]]]:
     """Run the lists with integer times (F = 1, B = 2, W = 1, messages free, so times tie exactly):
     when each message is sent, when each compute starts. Raises ScheduleError on a deadlock."""
-    sent, spans, _ = _run(schedule, {"F": 1, "B": 2, "W": 1}, 0)
+    sent, spans, _ = _run(schedule, {"F": 1, "B": 2, "W": 1}, 0, placement)
     return sent, [{i: start for start, _, _, _, _, i in rank} for rank in spans]
 
 
-def check_blocking_sends(schedule: list[list[Step]], fused: bool = True) -> None:
+def check_blocking_sends(schedule: list[list[Step]], fused: bool = True, *, placement: str = "loop") -> None:
     """Raise ScheduleError if the lists deadlock under NCCL's point-to-point rules, posted as the
     executor posts them (`p2p_batches`; `fused=False`: one message at a time, in list order).
     The rules and the model are `comms.p2p.check_blocking_sends`'s: each rank's batches run in
     posting order, and a batch completes once every message in it has its other end posted."""
+    _check_batches(schedule, p2p_batches(schedule, fused, placement=placement))
+
+
+def _check_batches(schedule: list[list[Step]], batches: list[list[list[int]]]) -> None:
     from parallel_lab.comms import check_blocking_sends as check
 
     logs = [
-        [[("send" if steps[j].kind[0] == "S" else "recv", steps[j].peer) for j in b] for b in batches]
-        for steps, batches in zip(schedule, p2p_batches(schedule, fused))
+        [[("send" if steps[j].kind[0] == "S" else "recv", steps[j].peer) for j in b] for b in mine]
+        for steps, mine in zip(schedule, batches)
     ]
     try:
         check(logs)
@@ -246,29 +310,32 @@ def check_blocking_sends(schedule: list[list[Step]], fused: bool = True) -> None
 
 
 # ----------------------------------------------------------------------------- messages
-def add_comms(orders: list[list[Step]], chunks: int = 1) -> list[list[Step]]:
-    """Insert RECV before and SEND after each compute step that needs them (virtual stage c*p + r).
+def add_comms(orders: list[list[Step]], chunks: int = 1, *, placement: str = "loop") -> list[list[Step]]:
+    """Insert RECV before and SEND after each compute step that needs them (virtual stage
+    `stage_of(r, c, p, placement)`: c*p + r in the default loop placement).
 
     A split B sends the input gradient as an unsplit B does; W is local and gets no message."""
     p = len(orders)
     last = p * chunks - 1
+    placement = _placement(placement, chunks)
     out = []
     for r, order in enumerate(orders):
         steps: list[Step] = []
         for s in order:
-            vs = s.chunk * p + r
+            vs = stage_of(r, s.chunk, p, placement)
+            up, down = rank_of(vs - 1, p, placement), rank_of(vs + 1, p, placement)  # the neighbours
             if s.kind == "F":
                 if vs > 0:
-                    steps.append(Step("RECV_F", s.mb, s.chunk, (r - 1) % p))
+                    steps.append(Step("RECV_F", s.mb, s.chunk, up))
                 steps.append(s)
                 if vs < last:
-                    steps.append(Step("SEND_F", s.mb, s.chunk, (r + 1) % p))
+                    steps.append(Step("SEND_F", s.mb, s.chunk, down))
             elif s.kind == "B":
                 if vs < last:
-                    steps.append(Step("RECV_B", s.mb, s.chunk, (r + 1) % p))
+                    steps.append(Step("RECV_B", s.mb, s.chunk, down))
                 steps.append(s)
                 if vs > 0:
-                    steps.append(Step("SEND_B", s.mb, s.chunk, (r - 1) % p))
+                    steps.append(Step("SEND_B", s.mb, s.chunk, up))
             elif s.kind == "W":  # weight gradients stay on the rank: nothing to send or receive
                 steps.append(s)
             else:
@@ -304,6 +371,7 @@ def simulate(
     chunks: int = 1,
     *,
     t_w: float = 0.0,
+    placement: str = "loop",
 ) -> SimResult:
     """Run the lists with F = t_f/v and B = t_b/v per chunk, messages arriving t_comm after their send.
 
@@ -331,9 +399,10 @@ def simulate(
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
     p, v = len(schedule), chunks
+    placement = _placement(placement, v)
     split = any(isinstance(s, Step) and s.kind == "W" for steps in schedule for s in steps)
     dur = {"F": t_f / v, "B": t_b / v, "W": t_w / v} if split else {"F": t_f / v, "B": (t_b + t_w) / v}
-    _, spans, t = _run(schedule, dur, t_comm)
+    _, spans, t = _run(schedule, dur, t_comm, placement)
     spans = [[span[:5] for span in rank] for rank in spans]
     makespan = max(t) if p else 0.0
     busy = sum(e - s for rank in spans for (s, e, *_) in rank)
@@ -352,7 +421,9 @@ def simulate(
     )
 
 
-def _run(schedule: list[list[Step]], dur: dict, t_comm: float) -> tuple[dict, list[list[tuple]], list]:
+def _run(
+    schedule: list[list[Step]], dur: dict, t_comm: float, placement: str = "loop"
+) -> tuple[dict, list[list[tuple]], list]:
     """Run the lists: each rank goes on until it needs a message not yet sent. Returns when each
     message arrives (sent + t_comm), each rank's compute spans (start, end, kind, mb, chunk, step
     index) and each rank's end time. A full pass in which no rank moves is a deadlock."""
@@ -369,10 +440,10 @@ def _run(schedule: list[list[Step]], dur: dict, t_comm: float) -> tuple[dict, li
                 if s.kind in dur:
                     spans[r].append((now, now + dur[s.kind], s.kind, s.mb, s.chunk, i))
                     now += dur[s.kind]
-                elif s.kind[0] == "S":
-                    arrive[_message(r, s, p)] = now + t_comm
+                elif s.kind[0] == "S":  # to the rank itself (stage p-1 -> p in a V): no link, no delay
+                    arrive[_message(r, s, p, placement)] = now + (t_comm if s.peer != r else 0.0)
                 else:
-                    at = arrive.get(_message(r, s, p))
+                    at = arrive.get(_message(r, s, p, placement))
                     if at is None:
                         break
                     now = max(now, at)

@@ -1,7 +1,7 @@
 """The model side of pipeline parallelism: a TinyMLP cut into p * v virtual stages.
 
 `split_layers` gives each virtual stage the same number of layers (rank r holds
-virtual stages c*p + r, c = 0..v-1; the head goes with the last one);
+virtual stages c*p + r, c = 0..v-1, or r and 2p-1-r in a V; the head goes with the last one);
 `stage_modules` builds this rank's chunks from one seeded TinyMLP, so every rank
 agrees with the single-process model it came from; `PipelineConfig` describes a
 run of `pipeline.executor.train_pipeline`.
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from parallel_lab.models import MLPConfig, synthetic_batch
 from parallel_lab.pipeline.schedules import SCHEDULES
+from parallel_lab.pipeline.simulator import stage_of
 
 DP_SYNCS = ("end", "every_microbatch", "none")
 
@@ -30,7 +31,7 @@ class PipelineConfig:
 
     schedule: str = "1f1b"
     microbatches: int = 4
-    chunks: int = 1
+    chunks: int = 1  # interleaved's v; the V schedules (zb-v, dualpipev) always hold 2
     layers: int = 8  # hidden Linear+GELU layers, split evenly over p * v virtual stages
     hidden: int = 64
     in_dim: int = 16
@@ -88,12 +89,16 @@ class LinearGelu(nn.Module):
         return F.gelu(self.linear(x))  # (b, hidden)
 
 
-def stage_modules(model: nn.Module, stages: int, chunks: int, rank: int) -> tuple[dict, dict]:
-    """This rank's chunks of a TinyMLP: ({chunk: nn.Sequential}, {global parameter name: parameter})."""
+def stage_modules(
+    model: nn.Module, stages: int, chunks: int, rank: int, placement: str = "loop"
+) -> tuple[dict, dict]:
+    """This rank's chunks of a TinyMLP: ({chunk: nn.Sequential}, {global parameter name: parameter}).
+
+    `placement`: "loop" (chunk c is virtual stage c*p + r) or "v" (stages r and 2p-1-r)."""
     blocks = split_layers(len(model.layers), stages, chunks)
     mods, names = {}, {}
     for c in range(chunks):
-        vs = c * stages + rank
+        vs = stage_of(rank, c, stages, placement)
         seq = [LinearGelu(model.layers[i]) for i in blocks[vs]]
         for i in blocks[vs]:
             names.update({f"layers.{i}.{k}": p for k, p in model.layers[i].named_parameters()})

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallel_lab.pipeline.schedules import make_schedule
-from parallel_lab.pipeline.simulator import SimResult, Step, simulate
+from parallel_lab.pipeline.schedules import V_SCHEDULES, chunks_of, make_schedule, placement_of
+from parallel_lab.pipeline.simulator import SimResult, Step, rank_of, simulate, stage_of
 
 #: our schedule name -> torch.distributed.pipelining's
-TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zb-v": "ZBVZeroBubble",
+               "dualpipev": "DualPipeV"}  # fmt: skip
 
 
 def sim_events(sim: SimResult, chunks: int = 1, unit_s: float = 1e-3) -> list[dict]:
@@ -71,11 +72,11 @@ def plot_schedule(
     from parallel_lab.plots import plot_timeline
 
     m = 1 if name == "naive" else microbatches
-    v = chunks if name == "interleaved" else 1
-    split = name.startswith("zb-")
+    v, placement = chunks_of(name, chunks), placement_of(name)
+    split = name.startswith("zb-") or name in V_SCHEDULES
     if split and t_w is None:
         t_b, t_w = t_b / 2, t_b / 2
-    sim = simulate(make_schedule(name, stages, m, v), t_f, t_b, chunks=v, t_w=t_w or 0.0)
+    sim = simulate(make_schedule(name, stages, m, v), t_f, t_b, chunks=v, t_w=t_w or 0.0, placement=placement)
     events = sim_events(sim, v)
     formula = f"1F1B's formula {pipeline_bubble_fraction(stages, m, 1):.1%}" if split else (
         f"formula {pipeline_bubble_fraction(stages, m, v):.1%}")  # fmt: skip
@@ -99,35 +100,47 @@ def plot_schedule(
     units = f"F = {t_f:g}, B = {t_b:g}, W = {t_w:g}" if split else f"F = {t_f:g}, B = {t_b + (t_w or 0.0):g}"
     ax.set_xlabel(f"time (units: {units} per stage)")
     ax.set_yticks([r + 0.25 for r in range(stages)])
-    ax.set_yticklabels([f"stage {r}" for r in range(stages)], fontsize=8)
+    ax.set_yticklabels([f"{'rank' if v > 1 else 'stage'} {r}" for r in range(stages)], fontsize=8)
     return fig
 
 
 # ----------------------------------------------------------------------------- torch's schedules
 def torch_orders(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Step]]:
-    """torch.distributed.pipelining's per-rank F/B order for our schedule `name` (compute steps only).
+    """torch.distributed.pipelining's per-rank F/B(/W) order for our schedule `name` (compute steps only).
 
     Read from `_schedule_visualizer.get_schedule_ops` (a private API): torch builds
-    its schedule's action lists for mocked stages, nothing runs. Stage index s on
-    rank s % p is chunk s // p, as ours.
+    its schedule's action lists for mocked stages, nothing runs. A stage index is mapped to
+    the chunk that holds it on its rank (s // p; in a V, 0 for stage r, 1 for 2p-1-r).
+    BACKWARD_INPUT is our B and BACKWARD_WEIGHT our W; in a split schedule (the V's) a
+    FULL_BACKWARD is our B then W, and an OVERLAP_F_B its forward, then its full backward.
     """
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     if name not in TORCH_NAMES:
         raise ValueError(f"name must be one of {tuple(TORCH_NAMES)}, got {name!r}")
-    ops = get_schedule_ops(
-        TORCH_NAMES[name], stages, microbatches, num_stages_per_rank=chunks if chunks > 1 else None
-    )
+    v, placement, split = chunks_of(name, chunks), placement_of(name), name in V_SCHEDULES
+    ops = get_schedule_ops(TORCH_NAMES[name], stages, microbatches, num_stages_per_rank=v if v > 1 else None)
     out = []
-    for rank_ops in ops:
+    for r, rank_ops in enumerate(ops):
         steps = []
-        for a in rank_ops:
+        todo = list(rank_ops)
+        while todo:
+            a = todo.pop(0)
             kind = getattr(a, "computation_type", None)
             if kind is None:
                 continue
-            k = {"FORWARD": "F", "FULL_BACKWARD": "B"}.get(kind.name)
+            if kind.name == "OVERLAP_F_B":
+                todo[:0] = list(a.sub_actions)
+                continue
+            c = [stage_of(r, k, stages, placement) for k in range(v)].index(a.stage_index) if v > 1 else 0
+            if kind.name == "FULL_BACKWARD" and split:
+                steps += [Step("B", a.microbatch_index, c), Step("W", a.microbatch_index, c)]
+                continue
+            k = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}.get(
+                kind.name
+            )
             if k is not None:
-                steps.append(Step(k, a.microbatch_index, a.stage_index // stages))
+                steps.append(Step(k, a.microbatch_index, c))
         out.append(steps)
     return out
 
@@ -138,7 +151,7 @@ def compare_with_torch(name: str, stages: int, microbatches: int, chunks: int = 
     theirs = torch_orders(name, stages, microbatches, chunks)
     diffs = []
     for r, (a, b) in enumerate(zip(ours, theirs)):
-        a = [s for s in a if s.kind in ("F", "B")]
+        a = [s for s in a if s.kind in ("F", "B", "W")]
         if a != b:
             i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             diffs.append(
@@ -167,7 +180,7 @@ def measured_bubble(result: Any, step: int | None = None) -> float:
     return 1.0 - sum(busy) / (len(ranks) * window)
 
 
-def measured_times(result: Any, step: int | None = None) -> dict[str, float]:
+def measured_times(result: Any, step: int | None = None, placement: str = "loop") -> dict[str, float]:
     """What the simulator needs to predict a measured step: `simulate(schedule, **measured_times(run))`.
 
     t_f, t_b, t_w: the median F, B and W span of `step` (default: the last), per stage (a chunk's
@@ -175,7 +188,9 @@ def measured_times(result: Any, step: int | None = None) -> dict[str, float]:
     not split. t_comm: the median time from a span's end to the start of the span on the next rank
     that waited for its message (an F on the rank after, a B on the rank before), when that rank
     had nothing else to do: latency and the host's work around a message, which the padded
-    compute spans leave out. 0 with one rank.
+    compute spans leave out. 0 with one rank. `placement`: the run's (simulator.PLACEMENTS; "v" for
+    ZB-V and DualPipeV), which says whose span a message came from; a message to the rank itself
+    (stage p-1 to p in a V) crosses no link and is left out.
     """
     import statistics
 
@@ -194,8 +209,15 @@ def measured_times(result: Any, step: int | None = None) -> dict[str, float]:
     for e in spans:
         ends.setdefault(e["rank"], []).append(e["end"])
     gaps = []
+    p = result.world_size
+    chunk_of = {stage_of(r, c, p, placement): c for r in range(p) for c in range(v)}
     for (r, kind, mb, c), e in at.items():
-        src = at.get((r - 1, "F", mb, c) if kind == "F" else (r + 1, "B", mb, c) if kind == "B" else None)
+        if kind == "W":
+            continue
+        vs = stage_of(r, c, p, placement) + (-1 if kind == "F" else 1)  # the stage the message came from
+        if vs not in chunk_of or rank_of(vs, p, placement) == r:
+            continue
+        src = at.get((rank_of(vs, p, placement), kind, mb, chunk_of[vs]))
         if src is None:
             continue
         free = max((t for t in ends[r] if t <= e["start"] + 1e-9), default=float("-inf"))

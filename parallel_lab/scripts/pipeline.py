@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 -m parallel_lab.scripts.pipeline --schedule 1f1b
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 4 -m parallel_lab.scripts.pipeline --schedule 1f1b
     python -m parallel_lab.scripts.pipeline --schedule interleaved --chunks 2   # no launcher: 4 local ranks
+    python -m parallel_lab.scripts.pipeline --schedule zb-v   # two chunks per rank in a V (also dualpipev)
 
 With `--dp 2` the ranks form DP x PP (2 replicas of a 2-stage pipeline on 4 ranks).
 `--compute-time` pads each stage's forward of one micro-batch to that many seconds
@@ -21,9 +22,12 @@ from parallel_lab.costmodel import pipeline_bubble_fraction
 from parallel_lab.models import build_model, train_reference
 from parallel_lab.pipeline import (
     SCHEDULES,
+    V_SCHEDULES,
     PipelineConfig,
+    chunks_of,
     make_schedule,
     measured_bubble,
+    placement_of,
     reference_batches,
     simulate,
     train_pipeline,
@@ -40,13 +44,14 @@ def report(result, cfg: PipelineConfig, dims: ParallelDims) -> tuple[str, bool]:
     losses = [sum(v["losses"][i] for v in last) / len(last) for i in range(cfg.steps)]
     ok = max(abs(a - b) for a, b in zip(losses, ref)) < 1e-5
     p, m = dims.pp, cfg.microbatches
-    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    v = chunks_of(cfg.schedule, cfg.chunks)
     m = 1 if cfg.schedule == "naive" else m
     lines = [f"{'step':>4} {'pipeline loss':>14} {'single-process':>15}"]
     lines += [f"{i:>4} {a:>14.6f} {b:>15.6f}" for i, (a, b) in enumerate(zip(losses, ref))]
     bubble = min(measured_bubble(result, s) for s in range(cfg.steps))
-    if cfg.schedule.startswith("zb-"):  # a split backward: the executor times F, B and W alike
-        sim = simulate(make_schedule(cfg.schedule, p, m), t_f=1.0, t_b=1.0, t_w=1.0)
+    if cfg.schedule.startswith("zb-") or cfg.schedule in V_SCHEDULES:  # split: F, B and W timed alike
+        sched, where = make_schedule(cfg.schedule, p, m, v), placement_of(cfg.schedule)
+        sim = simulate(sched, t_f=1.0, t_b=1.0, t_w=1.0, chunks=v, placement=where)
         lines.append(
             f"bubble: measured {bubble:.1%} (best step), simulated with equal F, B and W times "
             f"{sim.bubble_fraction:.1%}; 1F1B's formula (p-1)/(m + p-1) = {pipeline_bubble_fraction(p, m, 1):.1%}"
@@ -68,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved only)")
+    ap.add_argument(
+        "--chunks", type=int, default=2, help="model chunks per rank (interleaved; zb-v and dualpipev: 2)"
+    )
     ap.add_argument("--layers", type=int, default=None, help="default 8, or a multiple of the stages")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     world = script_world(args.nproc)
     if args.dp < 1 or world % args.dp:
         ap.error(f"--dp {args.dp} must divide the world size {world}")
-    per_rank = args.chunks if args.schedule == "interleaved" else 1  # model chunks per stage rank
+    per_rank = chunks_of(args.schedule, args.chunks)  # model chunks per stage rank
     args.layers = scaled_default(
         "--layers", args.layers, world, lambda w: round_up(8, w // args.dp * per_rank)
     )

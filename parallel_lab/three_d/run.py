@@ -28,7 +28,16 @@ import torch.nn.functional as F
 
 from parallel_lab import comms
 from parallel_lab.models import GPTConfig, build_model, synthetic_batch
-from parallel_lab.pipeline import DP_SYNCS, SCHEDULES, PipelineRank, StageParts, split_layers
+from parallel_lab.pipeline import (
+    DP_SYNCS,
+    SCHEDULES,
+    PipelineRank,
+    StageParts,
+    chunks_of,
+    placement_of,
+    split_layers,
+    stage_of,
+)
 from parallel_lab.runtime.parallel_dims import ParallelDims
 from parallel_lab.tensor_parallel import ColumnParallelLinear, ParallelBlock, RowParallelLinear
 
@@ -111,11 +120,12 @@ def shard_spec(module: nn.Module) -> dict[str, tuple]:
 def gpt_stage_parts(ctx, cfg: ThreeDConfig, mesh, tp_group, embed_group) -> StageParts:
     """This rank's chunks of the seeded TinyGPT, its blocks tensor parallel over `tp_group`."""
     p, r, tp = mesh.dims.pp, mesh.coords["pp"], mesh.dims.tp
-    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    v, placement = chunks_of(cfg.schedule, cfg.chunks), placement_of(cfg.schedule)
     blocks = split_layers(cfg.gpt.n_layers, p, v)
+    vs = [stage_of(r, c, p, placement) for c in range(v)]  # in a V, rank 0 holds the first stage and the last
     with torch.no_grad():
         model = copy.deepcopy(build_model(cfg.gpt, seed=cfg.seed)).to(ctx.device)
-        mods = {c: GPTStage(ctx, model, blocks[c * p + r], c * p + r == 0, c * p + r == p * v - 1, tp_group, tp)
+        mods = {c: GPTStage(ctx, model, blocks[vs[c]], vs[c] == 0, vs[c] == p * v - 1, tp_group, tp)
                 for c in range(v)}  # fmt: skip
     params = {
         n: q for mod in mods.values() for n, q in mod.named_parameters()
@@ -162,7 +172,8 @@ def train_3d(ctx, cfg: ThreeDConfig, dims: ParallelDims) -> dict:
     dp_rank, dp, m = mesh.coords["dp"], dims.dp, cfg.microbatches
     if cfg.batch % (dp * m):
         raise ValueError(f"batch ({cfg.batch}) must be divisible by dp x microbatches = {dp} x {m}")
-    tied = cfg.gpt.tie_weights and dims.pp > 1
+    # a tie across ranks needs the embedding group; in a V the first and last stage share rank 0 (one tensor)
+    tied = cfg.gpt.tie_weights and dims.pp > 1 and placement_of(cfg.schedule) != "v"
     embed_group = _embedding_groups(ctx, dims) if tied else None
     parts = gpt_stage_parts(ctx, cfg, mesh, mesh.group("tp"), embed_group)
     runner = PipelineRank(ctx, cfg, mesh.ranks("pp"), mesh.group("dp"), dp, parts, pp_group=mesh.group("pp"))

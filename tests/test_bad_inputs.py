@@ -102,7 +102,9 @@ ROWS = [
     ("simulate chunks 0", lambda: simulate(make_schedule("1f1b", 2, 4), chunks=0), ValueError, "chunks"),
     ("make_schedule bogus", lambda: make_schedule("zigzag", 2, 4), ValueError, "schedule"),
     ("pipeline config microbatches 0", lambda: PipelineConfig(microbatches=0), ValueError, "microbatches"),
-    ("pipeline config schedule", lambda: PipelineConfig(schedule="zb-v"), ValueError, "schedule"),
+    ("pipeline config schedule", lambda: PipelineConfig(schedule="zb-2p"), ValueError, "schedule"),
+    ("dualpipev too few micro-batches", lambda: make_schedule("dualpipev", 4, 7), ValueError, "microbatches"),
+    ("zb-v three chunks", lambda: make_schedule("zb-v", 4, 8, 3), ValueError, "chunks"),
     # ---- MoE
     ("moe d_model 0", lambda: MoEConfig(d_model=0), ValueError, "d_model"),
     ("moe experts 0", lambda: MoEConfig(num_experts=0), ValueError, "num_experts"),

@@ -325,7 +325,8 @@ class PipelineRank:
 
     def _sync_grads(self, params: list[torch.Tensor]) -> None:
         """Average gradients over the DP group with one flat all-reduce."""
-        grads = [p.grad for p in params if p.grad is not None]
+        unique = {id(p): p for p in params}  # a tied tensor under two names (in a V, both on rank 0): once
+        grads = [p.grad for p in unique.values() if p.grad is not None]
         if self.dp_size == 1 or not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])  # (n,)

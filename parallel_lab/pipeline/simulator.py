@@ -402,7 +402,12 @@ def simulate(
     placement = _placement(placement, v)
     split = any(isinstance(s, Step) and s.kind == "W" for steps in schedule for s in steps)
     dur = {"F": t_f / v, "B": t_b / v, "W": t_w / v} if split else {"F": t_f / v, "B": (t_b + t_w) / v}
-    _, spans, t = _run(schedule, dur, t_comm, placement)
+    try:
+        _, spans, t = _run(schedule, dur, t_comm, placement)
+    except ScheduleError as e:
+        if placement == "loop" and v == 2:  # the likeliest slip: a V's lists simulated in the loop placement
+            raise ScheduleError(f"{e} (ZB-V and DualPipeV lists need placement='v')") from None
+        raise
     spans = [[span[:5] for span in rank] for rank in spans]
     makespan = max(t) if p else 0.0
     busy = sum(e - s for rank in spans for (s, e, *_) in rank)

@@ -129,7 +129,7 @@ def gpt_stage_parts(ctx, cfg: ThreeDConfig, mesh, tp_group, embed_group) -> Stag
                 for c in range(v)}  # fmt: skip
     params = {
         n: q for mod in mods.values() for n, q in mod.named_parameters()
-    }  # a tie on one rank: one entry
+    }  # a tie in one chunk: one entry; across a V's two chunks on rank 0: two names, one tensor
     V = cfg.gpt.vocab
 
     def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -548,6 +548,8 @@ def test_v_orders_equal_torchs_rank_by_rank_and_validate():
         validate_schedule(_v("zb-v", 4, 8), 8, 2)
     with pytest.raises(ValueError, match="exactly 2 chunks"):
         validate_schedule(_v("zb-v", 4, 8), 8, 3, placement="v")
+    with pytest.raises(ScheduleError, match="need placement='v'"):
+        simulate(_v("zb-v", 4, 8), chunks=2)
 
 
 def test_v_placement_maps_stages_both_ways():
@@ -681,3 +683,20 @@ def test_v_schedules_in_three_d_with_a_tied_embedding_on_rank_0():
     losses = [v["losses"] for v in runs["zb-v"].values if v["losses"] is not None]
     assert runs["zb-v"].values[0]["losses"] is not None and len(losses) == 1
     assert np.allclose(losses[0], [v["losses"] for v in runs["1f1b"].values if v["losses"]][0], atol=1e-6)
+
+
+def test_v_memory_in_bytes_rank_0_near_1f1b_dualpipev_one_chunk_more():
+    """The tracker on 4 ranks, m = 8 (section 6's sizes): ZB-V's rank 0 holds about 1F1B's bytes (2p chunk
+    activations = p stages' worth, plus the last stage's head), and DualPipeV more than ZB-V on every rank."""
+    from test_pipeline import LAUNCH
+
+    import parallel_lab as pl
+    from parallel_lab.pipeline import PipelineConfig, peak_activation, train_pipeline
+
+    b, h = 16, 256
+    peaks = {}
+    for name in ("1f1b", *V_NAMES):
+        cfg = PipelineConfig(schedule=name, microbatches=8, layers=8, hidden=h, batch=8 * b, steps=2)
+        peaks[name] = peak_activation(pl.launch(train_pipeline, 4, cfg, track_memory=True, **LAUNCH), step=1)
+    assert abs(peaks["zb-v"][0] / peaks["1f1b"][0] - 1) < 0.15, peaks
+    assert all(d > z for d, z in zip(peaks["dualpipev"], peaks["zb-v"])), peaks

@@ -432,7 +432,7 @@ def test_measured_bubble_within_five_points_of_formula():
     is the estimate: a configuration outside the band gets up to two more runs."""
     rows = []
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
-        for m in (4, 8, 16):
+        for m in (4, 16):  # a large bubble and a small one
             cfg = PipelineConfig(schedule=name, microbatches=m, chunks=v, layers=8, batch=4 * m, steps=1,
                                  compute_time=0.03 * v)  # fmt: skip
             want, got = pipeline_bubble_fraction(4, m, v), 1.0

@@ -15,12 +15,14 @@ Read in this order:
   meta.py       the paper's formula, its padding, and a 7B model counted on `meta`
   plots.py      lesson 04's pictures
   accumulation.py  (lesson 18) ZeRO-1 against ZeRO-2 under gradient accumulation: bytes per step
+  hsdp.py       (lesson 20) HSDP: ZeRO-3 inside a group of neighbours, replicated across groups
 
 `ZeRO(ctx, model, stage=...)` builds the right one.
 """
 
 from parallel_lab.zero.accumulation import *  # noqa: F403
 from parallel_lab.zero.comm import *  # noqa: F403
+from parallel_lab.zero.hsdp import *  # noqa: F403
 from parallel_lab.zero.layout import *  # noqa: F403
 from parallel_lab.zero.meta import *  # noqa: F403
 from parallel_lab.zero.optimizer import *  # noqa: F403

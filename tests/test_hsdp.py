@@ -1,0 +1,85 @@
+"""HSDP (lesson 20): ZeRO-3 inside a shard group of neighbours, the gradient slice all-reduced across
+replicas. Parity with one process on the whole batch and with torch's FSDP2 `fully_shard` on a 2D
+mesh (replicate, shard), on 4 and 8 gloo ranks (2x2, 2x4, 4x2), with test_zero's models: a TinyGPT
+with tied weights and a frozen parameter, and TiedNet (259 parameters: no shard count divides it).
+Tolerances are test_zero's (the same sums in another order)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_zero import BATCH, LR, STEPS, TOL_LOSS, TOL_PARAM, make
+
+from parallel_lab import launch
+from parallel_lab.models import synthetic_batch
+from parallel_lab.zero import HSDP, HSDPMesh
+
+
+def _hsdp_parity(ctx, R: int, S: int) -> tuple[list[str], dict]:
+    """Against one process (every step) and FSDP2 on the same 2D mesh (losses every step, parameters at the end)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    n, r = ctx.world_size, ctx.rank
+    groups = HSDPMesh(R, S).build(ctx)
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    bad, finals = [], {}
+    batch = 2 * n  # every rank its own 2 sequences: replicas see different data
+    for kind in ("gpt", "tied"):
+        ref, vocab = make(kind)
+        ropt = torch.optim.Adam([p for p in ref.parameters() if p.requires_grad], lr=LR)
+        x, y = synthetic_batch("tokens", batch, seq_len=8, vocab=vocab, seed=1)
+        xs, ys = x[2 * r : 2 * r + 2], y[2 * r : 2 * r + 2]
+        ours, _ = make(kind)
+        z = HSDP(ctx, ours, groups, optimizer="adam", lr=LR)
+        theirs, _ = make(kind)
+        units = theirs.blocks if kind == "gpt" else theirs.layers
+        for block in units:
+            fully_shard(block, mesh=mesh)
+        fully_shard(theirs, mesh=mesh)
+        topt = torch.optim.Adam([p for p in theirs.parameters() if p.requires_grad], lr=LR)
+        for step in range(STEPS):
+            ropt.zero_grad()
+            ref(x, y).backward()
+            ropt.step()
+            for model, opt in ((ours, z), (theirs, topt)):
+                loss = model(xs, ys)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if model is ours:
+                    l1 = loss.item()
+                elif abs(l1 - loss.item()) > TOL_LOSS:
+                    bad.append(f"{kind} rank {r} step {step}: loss {l1} vs FSDP2 {loss.item()}")
+            got = z.full_parameters()
+            for k, v in ref.named_parameters(remove_duplicate=False):
+                d = (got[k] - v.detach()).abs().max().item()
+                if d > TOL_PARAM:
+                    bad.append(f"{kind} {R}x{S} rank {r} step {step}: {k} differs from one process by {d:.3g}")
+        for k, v in theirs.state_dict().items():
+            d = (got[k] - v.full_tensor()).abs().max().item()
+            if d > TOL_PARAM:
+                bad.append(f"{kind} {R}x{S} rank {r}: {k} differs from FSDP2 by {d:.3g}")
+        finals[kind] = np.concatenate([v.reshape(-1).numpy() for v in got.values()])
+    return bad, finals
+
+
+@pytest.mark.parametrize("R,S", [(2, 2), (2, 4), (4, 2)])
+def test_hsdp_equals_one_process_and_fsdp2_on_a_2d_mesh(R, S):
+    res = launch(_hsdp_parity, R * S, R, S, timeout=240)
+    assert [b for v in res.values for b in v[0]] == []
+    for kind, first in res.values[0][1].items():  # the all-gather copies bytes: every rank the same model
+        assert all(np.array_equal(v[1][kind], first) for v in res.values), kind
+
+
+def test_mesh_layout_and_bad_input():
+    mesh = HSDPMesh(2, 4)
+    assert mesh.groups("shard") == [[0, 1, 2, 3], [4, 5, 6, 7]]  # neighbours: one node's links
+    assert mesh.groups("replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.coords(6) == {"replicate": 1, "shard": 2}
+    with pytest.raises(ValueError, match="HSDPMesh.shard must be an int >= 1"):
+        HSDPMesh(2, 0)
+    with pytest.raises(ValueError, match="axis must be"):
+        mesh.groups("dp")

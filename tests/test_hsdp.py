@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_zero import BATCH, LR, STEPS, TOL_LOSS, TOL_PARAM, make
+from test_zero import LR, STEPS, TOL_LOSS, TOL_PARAM, make
 
 from parallel_lab import launch
+from parallel_lab.comms import ring_bytes_per_rank
 from parallel_lab.models import synthetic_batch
 from parallel_lab.zero import HSDP, HSDPMesh
 
@@ -57,12 +58,15 @@ def _hsdp_parity(ctx, R: int, S: int) -> tuple[list[str], dict]:
             for k, v in ref.named_parameters(remove_duplicate=False):
                 d = (got[k] - v.detach()).abs().max().item()
                 if d > TOL_PARAM:
-                    bad.append(f"{kind} {R}x{S} rank {r} step {step}: {k} differs from one process by {d:.3g}")
+                    bad.append(
+                        f"{kind} {R}x{S} rank {r} step {step}: {k} differs from one process by {d:.3g}"
+                    )
         for k, v in theirs.state_dict().items():
             d = (got[k] - v.full_tensor()).abs().max().item()
             if d > TOL_PARAM:
                 bad.append(f"{kind} {R}x{S} rank {r}: {k} differs from FSDP2 by {d:.3g}")
         finals[kind] = np.concatenate([v.reshape(-1).numpy() for v in got.values()])
+        finals[kind, "layout"] = (z.layout.padded, z.layout.shard)
     return bad, finals
 
 
@@ -70,8 +74,20 @@ def _hsdp_parity(ctx, R: int, S: int) -> tuple[list[str], dict]:
 def test_hsdp_equals_one_process_and_fsdp2_on_a_2d_mesh(R, S):
     res = launch(_hsdp_parity, R * S, R, S, timeout=240)
     assert [b for v in res.values for b in v[0]] == []
-    for kind, first in res.values[0][1].items():  # the all-gather copies bytes: every rank the same model
-        assert all(np.array_equal(v[1][kind], first) for v in res.values), kind
+    for kind in ("gpt", "tied"):  # the all-gather copies bytes: every rank the same model
+        assert all(np.array_equal(v[1][kind], res.values[0][1][kind]) for v in res.values), kind
+    # bytes per axis (the lab's collectives only: FSDP2's are not traced), per rank, over both models' steps:
+    # shard axis 3 (P - P/S) per step (gather in forward and in backward, reduce-scatter), replicate axis a ring
+    # all-reduce of the (P/S,) slice over R ranks, fp32
+    for rank, c in enumerate(res.comm_bytes):
+        rep = HSDPMesh(R, S).coords(rank)["replicate"]
+        lays = [res.values[rank][1][kind, "layout"] for kind in ("gpt", "tied")]
+        once = sum(STEPS * (padded - sl) * 4 for padded, sl in lays)  # one pass over the model, per step
+        replicate = sum(STEPS * ring_bytes_per_rank(sl, R, 4, "all_reduce")[rep][0] for _, sl in lays)
+        got = {k: v["sent"] for k, v in c["by_op"].items()}
+        # all-gathers: forward, backward, and the test's full_parameters() after each step
+        assert got == {"all_gather": 3 * once, "ring_reduce_scatter": once, "ring_all_reduce": replicate}, (
+            rank, got, once, replicate)  # fmt: skip
 
 
 def test_mesh_layout_and_bad_input():

@@ -118,7 +118,9 @@ class HSDP(Zero3):
     `loss = model(...)`, `loss.backward()`, `hsdp.step()`, `hsdp.zero_grad()`. Keyword arguments
     are Zero3's (units, prefetch, precision, ...)."""
 
-    def __init__(self, ctx, model: nn.Module, groups: HSDPGroups, optimizer: Any = "adam", **kwargs: Any) -> None:
+    def __init__(
+        self, ctx, model: nn.Module, groups: HSDPGroups, optimizer: Any = "adam", **kwargs: Any
+    ) -> None:
         if not isinstance(groups, HSDPGroups):
             raise TypeError(
                 f"groups must be the HSDPGroups of HSDPMesh(...).build(ctx), got {type(groups).__name__}"

@@ -99,3 +99,39 @@ def test_mesh_layout_and_bad_input():
         HSDPMesh(2, 0)
     with pytest.raises(ValueError, match="axis must be"):
         mesh.groups("dp")
+
+
+def _memory(ctx, R: int, S: int) -> list:
+    from parallel_lab.zero import expected_state_bytes
+
+    torch.set_num_threads(1)
+    groups = HSDPMesh(R, S).build(ctx)
+    model, vocab = make("gpt")
+    z = HSDP(ctx, model, groups, optimizer="adam", lr=LR)
+    x, y = synthetic_batch("tokens", 2, seq_len=8, vocab=vocab, seed=ctx.rank)
+    for _ in range(2):
+        model(x, y).backward()
+        z.step()
+        z.zero_grad()
+    live = ctx.memory.snapshot()
+    frozen = sum(p.numel() * p.element_size() for p in z.groups.frozen)  # kept whole on every rank (wpe)
+    return [{k: live[k] for k in ("param", "grad", "optim")}, expected_state_bytes(z.layout, 3, "adam", "fp32"),
+            z.layout.numel, frozen]  # fmt: skip
+
+
+def test_memory_per_rank_is_zero3_on_the_shard_group():
+    """The tracker after two steps, 2 x 2 ranks: each rank holds ZeRO-3's states on S = 2 ranks (its
+    slice of parameters, gradients and Adam's two moments: 16Ψ/S bytes in fp32), twice ZeRO-3's on all 4;
+    a frozen parameter stays whole on every rank."""
+    from parallel_lab.costmodel import model_state_bytes
+
+    res = launch(_memory, 4, 2, 2, track_memory=True, timeout=240)
+    for live, expected, psi, frozen in res.values:
+        assert frozen > 0 and live == {k: expected[k] + (frozen if k == "param" else 0) for k in live}, (
+            live,
+            expected,
+        )
+        formula = model_state_bytes(
+            psi, 2, 3, "adam", "fp32"
+        )  # ZeRO-3 over the shard group (Ψ = 3050: no padding)
+        assert live == {k: formula[k] + (frozen if k == "param" else 0) for k in live}, (live, formula)

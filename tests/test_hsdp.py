@@ -135,3 +135,42 @@ def test_memory_per_rank_is_zero3_on_the_shard_group():
             psi, 2, 3, "adam", "fp32"
         )  # ZeRO-3 over the shard group (Ψ = 3050: no padding)
         assert live == {k: formula[k] + (frozen if k == "param" else 0) for k in live}, (live, formula)
+
+
+# ----------------------------------------------------------------------------- the planner
+def test_planner_hsdp_memory_is_zero3_on_a_node_and_its_time_stays_near_one_nodes():
+    """A 7B model, tp = pp = 1, 4 micro-batches per step, 8 GPUs a node, a 6.25 GB/s network per GPU:
+    flat ZeRO-3 gathers every layer over the network every micro-batch; HSDP (one replica a node) keeps
+    that on NVLink and sends one fp32 slice per step across nodes; ZeRO-1 all-reduces the gradients
+    across nodes once. Memory: HSDP holds ZeRO-3's states on 8 GPUs whatever the node count."""
+    from parallel_lab.costmodel import ClusterSpec, evaluate, model_state_bytes
+    from parallel_lab.costmodel.planner import ModelSpec, stage_params
+
+    model = ModelSpec("7B", layers=32, hidden=4096, heads=32, seq=2048, vocab=32000)
+    n_params = stage_params(model, 1, 1)
+    for nodes in (1, 4, 16):
+        cluster, dp = ClusterSpec(gpus=8 * nodes, inter_bw=6.25e9), 8 * nodes
+        kw = dict(checkpointing=True, global_batch=4 * dp, micro_batch=1)
+        flat = evaluate(model, cluster, dp, 1, 1, 3, **kw)
+        hsdp = evaluate(model, cluster, dp, 1, 1, 3, replicate=nodes, **kw)
+        zero1 = evaluate(model, cluster, dp, 1, 1, 1, **kw)
+        states = model_state_bytes(n_params, 8, 3, "adam", "mixed")
+        assert {k: hsdp.memory[k] for k in states if k != "total"} == {
+            k: v for k, v in states.items() if k != "total"
+        }
+        if nodes == 1:
+            assert hsdp.time == flat.time and hsdp.memory == flat.memory
+            continue
+        assert hsdp.time["dp_comm"] < zero1.time["dp_comm"] < flat.time["dp_comm"], (nodes, hsdp, zero1, flat)
+        assert flat.memory["total"] < hsdp.memory["total"] < zero1.memory["total"]
+        assert str(hsdp).split()[3:5] == ["HSDP", f"{nodes}x8"]
+
+
+def test_planner_hsdp_bad_input_is_named():
+    from parallel_lab.costmodel import GPT3, ClusterSpec, evaluate
+
+    cluster = ClusterSpec(gpus=16)
+    with pytest.raises(ValueError, match="replicate=2 is HSDP.*needs zero=3"):
+        evaluate(GPT3, cluster, 16, 1, 1, 1, False, 64, replicate=2)
+    with pytest.raises(ValueError, match=r"replicate \(3\) must divide dp x cp = 16"):
+        evaluate(GPT3, cluster, 16, 1, 1, 3, False, 64, replicate=3)

@@ -188,11 +188,17 @@ class Plan:
     mfu: float = 0.0
     tflops: float = 0.0
     schedule: str = "1f1b"
+    replicate: int = 1  # HSDP's replicas (ZeRO-3 sharded over dp x cp / replicate ranks)
 
     def __str__(self) -> str:
         ck = {False: "    ", True: "ckpt", "full": "ckpt", "selective": "sel "}[self.checkpointing]
         cp = f"cp={self.cp:<2} " if self.cp > 1 else ""
-        return (f"dp={self.dp:<3} {cp}tp={self.tp:<2} pp={self.pp:<3} ZeRO-{self.zero} {ck} m={self.microbatches:<4} "
+        z = (
+            f"HSDP {self.replicate}x{self.dp * self.cp // self.replicate}"
+            if self.replicate > 1
+            else f"ZeRO-{self.zero}"
+        )
+        return (f"dp={self.dp:<3} {cp}tp={self.tp:<2} pp={self.pp:<3} {z} {ck} m={self.microbatches:<4} "
                 f"{self.memory['total'] / 1e9:7.1f} GB/GPU {self.time['total']:7.2f} s/iter MFU {self.mfu:4.0%}")  # fmt: skip
 
 
@@ -287,15 +293,27 @@ def zero_bubble_size(schedule: str, pp: int, m: int, t_f: float, t_b: float, t_w
 def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, zero: int,
              checkpointing: bool | str, global_batch: int, micro_batch: int = 1, sequence_parallel: bool = False,
              precision: str = "mixed", optimizer: str = "adam", cp: int = 1, chunks: int = 1,
-             flash_attention: bool = False, schedule: str = "1f1b") -> Plan:  # fmt: skip
+             flash_attention: bool = False, schedule: str = "1f1b", replicate: int = 1) -> Plan:  # fmt: skip
     """Memory and time of one layout (see the module docstring for every term).
 
     `checkpointing`: False, True (full recomputation) or "selective" (the attention scores only,
     Korthikanti et al. 2022). `chunks`: model chunks per pipeline stage (interleaved 1F1B, v).
     `flash_attention`: attention as one fused kernel (Dao et al. 2022), timed so, and its T x T
     scores never stored, in any recomputation mode. `schedule`: "1f1b", or a zero-bubble one (Qi et
-    al. 2024, lesson 19; one chunk per stage), see `ZERO_BUBBLE`."""
+    al. 2024, lesson 19; one chunk per stage), see `ZERO_BUBBLE`. `replicate`: with zero=3, HSDP (lesson 20):
+    the dp x cp ranks that hold a stage split into `replicate` replicas of S = dp x cp / replicate ranks each
+    (neighbours); ZeRO-3 inside each (gathers and reduce-scatters over S, every micro-batch), the (P/S,)
+    gradient slice all-reduced across the replicas once per step, behind the last micro-batch's backward."""
     _int("cp", cp, 1)
+    _int("replicate", replicate, 1)
+    if replicate > 1 and zero != 3:
+        raise ValueError(
+            f"replicate={replicate} is HSDP, which shards with ZeRO-3: needs zero=3, got zero={zero}"
+        )
+    if (dp * cp) % replicate:
+        raise ValueError(
+            f"replicate ({replicate}) must divide dp x cp = {dp * cp} (the ranks that hold a stage)"
+        )
     _int("chunks", chunks, 1)
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
@@ -321,8 +339,9 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
     notes = []
     gpu, gpn = cluster.device, cluster.gpus_per_node
     r = dp * cp  # replicas of the stage's weights: the gradient reduction runs over all of them
+    shard = r // replicate  # ranks a stage's states are sharded over (all r but under HSDP)
     n_stage = stage_params(model, tp, pp)
-    states = model_state_bytes(n_stage, r, zero, optimizer, precision)
+    states = model_state_bytes(n_stage, shard, zero, optimizer, precision)
     L_stage = -(-model.layers // pp)
     # flash attention never stores the T x T scores: the same bytes as selective recomputation's
     no_scores = rc == "selective" or flash_attention
@@ -399,10 +418,17 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
         dp_comm = m * exposed_seconds(gpu, rs, bwd_mb) + collective_seconds(gpu, param16, r, dp_inside)
         notes.append("ZeRO-2 under accumulation: a reduce-scatter per micro-batch")
     else:  # ZeRO-3: gathers for forward, backward (and the recomputed forward), a reduce-scatter, per
-        # micro-batch, each prefetched behind the compute of the layers before it
+        # micro-batch, each prefetched behind the compute of the layers before it; under HSDP over the
+        # shard group (S neighbours: S x tp GPUs), and once per step an all-reduce of the fp32 slice
+        # across the replicas (they span the whole data-parallel extent)
         gathers = 3 if rc == "full" else 2
-        comm_mb = (gathers + 1) * collective_seconds(gpu, param16, r, dp_inside)
+        comm_mb = (gathers + 1) * collective_seconds(
+            gpu, param16, shard, shard * tp <= gpn if replicate > 1 else dp_inside
+        )
         dp_comm = m * exposed_seconds(gpu, comm_mb, t_mb)
+        if replicate > 1:
+            slice_ar = collective_seconds(gpu, n_stage * 4 / shard, replicate, dp_inside, phases=2)
+            dp_comm += exposed_seconds(gpu, slice_ar, bwd_mb)
     time["dp_comm"] = dp_comm
     cp_comm = 0.0
     if cp > 1:  # ring attention per layer and micro-batch, minus what the attention's compute hides
@@ -416,7 +442,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
         cp_comm = L_stage * m * exposed
     time["cp_comm"] = cp_comm
     # the optimizer step: Adam reads and writes fp32 master weights, moments and gradients (~30 bytes a parameter)
-    time["memory"] += 30 * n_stage / (r if zero >= 1 else 1) / gpu.hbm_bw
+    time["memory"] += 30 * n_stage / (shard if zero >= 1 else 1) / gpu.hbm_bw
     time["total"] = sum(time.values())
     if tp > gpn:
         notes.append("TP across nodes")
@@ -424,7 +450,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
     mfu = training_flops(model, global_batch) / (seconds * cluster.gpus * gpu.peak_flops)
     tflops = training_flops(model, global_batch, rc) / (seconds * cluster.gpus) / 1e12
     return Plan(dp, tp, pp, zero, checkpointing, m, memory, time, memory["total"] <= gpu.memory, notes, cp,
-                chunks, mfu, tflops, schedule)  # fmt: skip
+                chunks, mfu, tflops, schedule, replicate)  # fmt: skip
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, micro_batch: int = 1,

@@ -1,7 +1,7 @@
 """Lesson scripts under the two launchers people use: torchrun and accelerate launch.
 
 Each run is a real multi-process job (every rank imports torch), so this file keeps one run per
-script and launcher that other test files do not already cover: ddp, zero --offload, pipeline,
+script and launcher that other test files do not already cover: ddp, zero --offload, zero --replicate (HSDP), pipeline,
 three_d, moe, inference (pp), compression, long_sequences (ring, 2 x 2) and fewer_bytes (PowerSGD) under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks),
 mixed_precision, moe, inference (tp), long_sequences (ulysses) and fewer_bytes (top-k, 3 ranks) under
 accelerate launch with the shipped CPU config. Each script checks its own result against
@@ -53,6 +53,12 @@ CASES = {
         ["parallel_lab.scripts.zero", "--offload", "--steps", "2", "--d-model", "32", "--layers", "2"],
         "identical weights on every rank; bytes equal the formulas",
         {"host Adam", "D2H grads"},
+    ),
+    "zero-hsdp": (  # lesson 20: 2 replicas x 2 shards, bytes on both axes against the formula
+        4,
+        "parallel_lab.scripts.zero --stage 3 --replicate 2 --steps 2 --d-model 32 --layers 2".split(),
+        "identical weights on every rank; bytes equal the formulas",
+        set(),
     ),
     "compression": (
         2,

@@ -9,12 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_zero import LR, STEPS, TOL_LOSS, TOL_PARAM, make
+from test_zero import LR, TOL_LOSS, TOL_PARAM, make
 
 from parallel_lab import launch
 from parallel_lab.comms import ring_bytes_per_rank
 from parallel_lab.models import synthetic_batch
 from parallel_lab.zero import HSDP, HSDPMesh
+
+STEPS = 3  # Adam steps compared (test_zero runs 5; 3 already moves every parameter off its start)
 
 
 def _hsdp_parity(ctx, R: int, S: int) -> tuple[list[str], dict]:

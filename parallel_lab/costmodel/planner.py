@@ -303,7 +303,8 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
     al. 2024, lesson 19; one chunk per stage), see `ZERO_BUBBLE`. `replicate`: with zero=3, HSDP (lesson 20):
     the dp x cp ranks that hold a stage split into `replicate` replicas of S = dp x cp / replicate ranks each
     (neighbours); ZeRO-3 inside each (gathers and reduce-scatters over S, every micro-batch), the (P/S,)
-    gradient slice all-reduced across the replicas once per step, behind the last micro-batch's backward."""
+    gradient slice all-reduced across the replicas once per step in 16-bit, behind the last micro-batch's
+    backward (FSDP2 overlaps it unit by unit; the lab's `zero.HSDP` runs it after the backward)."""
     _int("cp", cp, 1)
     _int("replicate", replicate, 1)
     if replicate > 1 and zero != 3:
@@ -422,12 +423,13 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
         # shard group (S neighbours: S x tp GPUs), and once per step an all-reduce of the fp32 slice
         # across the replicas (they span the whole data-parallel extent)
         gathers = 3 if rc == "full" else 2
-        comm_mb = (gathers + 1) * collective_seconds(
-            gpu, param16, shard, shard * tp <= gpn if replicate > 1 else dp_inside
-        )
+        # (a shard group sits inside a node when its S x tp GPUs fit one and do not straddle two)
+        shard_inside = shard * tp <= gpn and gpn % (shard * tp) == 0 if replicate > 1 else dp_inside
+        comm_mb = (gathers + 1) * collective_seconds(gpu, param16, shard, shard_inside)
         dp_comm = m * exposed_seconds(gpu, comm_mb, t_mb)
-        if replicate > 1:
-            slice_ar = collective_seconds(gpu, n_stage * 4 / shard, replicate, dp_inside, phases=2)
+        if replicate > 1:  # 16-bit like the reduce-scatter (FSDP2: one reduce dtype for both), behind the
+            # last micro-batch's backward, as FSDP2 overlaps it unit by unit
+            slice_ar = collective_seconds(gpu, param16 / shard, replicate, dp_inside, phases=2)
             dp_comm += exposed_seconds(gpu, slice_ar, bwd_mb)
     time["dp_comm"] = dp_comm
     cp_comm = 0.0

@@ -10,16 +10,24 @@ sharding splits the N = R x S data-parallel ranks into R replicas of S ranks eac
   ZeRO-3: each unit's parameters all-gathered before use and freed after, its gradients
   reduce-scattered into each rank's (P/S,) slice (`Zero3(group=shard group)`);
 - across replicas (the replicate group: the ranks holding the same slice, one per replica) the
-  slice's gradient is all-reduced once per step, after the last reduce-scatter, on P/S elements
-  (the lab's ring, averaged), and each rank updates its slice with its optimizer states.
+  slice's gradient is all-reduced on P/S elements (the lab's ring, averaged), and each rank updates
+  its slice with its optimizer states. The lab does it once, after the backward, exposed; FSDP2
+  all-reduces each unit's slice right after that unit's reduce-scatter, on a stream of its own,
+  overlapped with the rest of the backward (MiCS at the gradient-accumulation boundary): the same
+  bytes and the same mean.
 
 Layout: rank = replica x S + s, so a shard group is S consecutive ranks; the same layout as
-torch's `init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))`, which FSDP2's
-`fully_shard(model, mesh=...)` reads as HSDP.
+torch's `init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))`. FSDP2's
+`fully_shard(model, mesh=...)` reads a 2D mesh by position, whatever the names: dim 0 replicated,
+dim 1 sharded.
 
 Per rank per step, in elements: shard axis 3(P - P/S) (a gather in forward, again in backward,
-a reduce-scatter), replicate axis 2(R-1)/R x P/S (a ring all-reduce of the slice). Memory: the
-model states of ZeRO-3 on S ranks, 16P/S bytes with mixed-precision Adam, R times ZeRO-3 on N.
+a reduce-scatter), replicate axis 2(R-1)/R x P/S (a ring all-reduce of the slice), in the working
+dtype. Memory: the model states of ZeRO-3 on S ranks, 16P/S bytes with mixed-precision Adam, R times
+ZeRO-3 on N.
+
+Every replica runs a backward before each `step()`, as every rank must under DDP: a replica that
+skipped one would skip the all-reduce its replicate peers wait in.
 
 Invariant: after every step the parameters equal one process training on the union of the N
 ranks' batches (up to summation order), and the ranks of a replicate group hold bit-identical
@@ -133,7 +141,9 @@ class HSDP(Zero3):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Average the slice's gradient over the replicas (once per step), then update the slice."""
+        """Average the slice's gradient over the replicas (once per step), then update the slice.
+
+        Collective over the replicate group: call it on every rank, after a backward on every replica."""
         self._check_model()
         if self.states.grad_shard is None:  # no backward since zero_grad(set_to_none=True)
             return

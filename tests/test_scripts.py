@@ -2,7 +2,7 @@
 
 Each run is a real multi-process job (every rank imports torch), so this file keeps one run per
 script and launcher that other test files do not already cover: ddp, zero --offload, zero --replicate (HSDP), pipeline,
-three_d, moe, inference (pp), compression, long_sequences (ring, 2 x 2) and fewer_bytes (PowerSGD) under torchrun; ddp, zero (stage 1), pipeline, tensor_parallel, three_d (8 ranks),
+three_d, moe, inference (pp), compression, long_sequences (ring, 2 x 2) and fewer_bytes (PowerSGD) under torchrun; ddp, zero (stage 1; HSDP), pipeline, tensor_parallel, three_d (8 ranks),
 mixed_precision, moe, inference (tp), long_sequences (ulysses) and fewer_bytes (top-k, 3 ranks) under
 accelerate launch with the shipped CPU config. Each script checks its own result against
 single-process training and says so on stdout; the trace it writes must load.
@@ -102,6 +102,11 @@ ACCELERATE_CASES = {
     "zero-stage1-mixed": (
         2,
         "parallel_lab.scripts.zero --stage 1 --precision mixed --steps 2 --d-model 32 --layers 2".split(),
+        "identical weights on every rank; bytes equal the formulas",
+    ),
+    "zero-hsdp-mixed": (  # lesson 20: HSDP, 2 replicas x 2 shards, 16-bit gathers and gradients
+        4,
+        "parallel_lab.scripts.zero --stage 3 --replicate 2 --precision mixed --steps 2 --d-model 32 --layers 2".split(),
         "identical weights on every rank; bytes equal the formulas",
     ),
     "tensor_parallel-sp": (

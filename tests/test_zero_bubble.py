@@ -469,10 +469,10 @@ def test_measured_bubble_within_three_points_of_the_simulator_fed_with_measured_
         v, where = (2, "v") if name == "zb-v" else (1, "loop")
         # a V's chunk is half a stage: 40 ms per stage keeps each F, B and W at 20 ms, as the others
         cfg = PipelineConfig(
-            schedule=name, microbatches=m, layers=8, batch=4 * m, steps=4, compute_time=0.02 * v
+            schedule=name, microbatches=m, layers=8, batch=4 * m, steps=3, compute_time=0.02 * v
         )
         run = pl.launch(train_pipeline, world, cfg, **LAUNCH)
-        best = min(range(1, 4), key=lambda s: measured_bubble(run, s))  # step 0 warms up
+        best = min(range(1, 3), key=lambda s: measured_bubble(run, s))  # step 0 warms up
         times = measured_times(run, best, placement=where)
         assert times["t_w"] > 0 if name != "1f1b" else times["t_w"] == 0, times
         want = simulate(make_schedule(name, world, m), chunks=v, placement=where, **times).bubble_fraction

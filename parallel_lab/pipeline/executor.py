@@ -382,7 +382,7 @@ class PipelineRank:
                     return out
 
                 outputs[key] = self._compute(
-                    self._name("F", s.chunk), fwd, t_f, mb=s.mb, chunk=s.chunk, step=step
+                    self._name("F", s.chunk), fwd, t_f, mb=s.mb, chunk=s.chunk, stage=vs, step=step
                 )
                 if vs == self.last_vs:
                     loss_sum += outputs[key].item()
@@ -400,16 +400,18 @@ class PipelineRank:
                         x.grad = dx  # SEND_B sends it, as after an unsplit backward
                     return dx
 
-                self._compute(self._name("B", s.chunk), bwd_input, t_b, mb=s.mb, chunk=s.chunk, step=step)
+                self._compute(
+                    self._name("B", s.chunk), bwd_input, t_b, mb=s.mb, chunk=s.chunk, stage=vs, step=step
+                )
             elif s.kind == "B":
                 out, g = outputs.pop(key), grads.pop(key, None)
                 self._compute(self._name("B", s.chunk), lambda out=out, g=g: out.backward(g), t_b,
-                              mb=s.mb, chunk=s.chunk, step=step)  # fmt: skip
+                              mb=s.mb, chunk=s.chunk, stage=vs, step=step)  # fmt: skip
                 if cfg.dp_sync == "every_microbatch":  # the bug class: an all-reduce per micro-batch
                     self._sync_grads(list(self.mods[s.chunk].parameters()))
             elif s.kind == "W":
                 self._compute(self._name("W", s.chunk), pending.pop(key).weight_grads, t_w,
-                              mb=s.mb, chunk=s.chunk, step=step)  # fmt: skip
+                              mb=s.mb, chunk=s.chunk, stage=vs, step=step)  # fmt: skip
                 if cfg.dp_sync == "every_microbatch":  # split, a chunk's gradients are complete after W
                     self._sync_grads(list(self.mods[s.chunk].parameters()))
             elif s.kind == "SEND_B":

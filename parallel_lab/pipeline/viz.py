@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from parallel_lab.pipeline.schedules import V_SCHEDULES, chunks_of, make_schedule, placement_of
-from parallel_lab.pipeline.simulator import SimResult, Step, rank_of, simulate, stage_of
+from parallel_lab.pipeline.simulator import SimResult, Step, simulate, stage_of
 
 #: our schedule name -> torch.distributed.pipelining's
 TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zb-v": "ZBVZeroBubble",
@@ -188,9 +188,9 @@ def measured_times(result: Any, step: int | None = None, placement: str = "loop"
     not split. t_comm: the median time from a span's end to the start of the span on the next rank
     that waited for its message (an F on the rank after, a B on the rank before), when that rank
     had nothing else to do: latency and the host's work around a message, which the padded
-    compute spans leave out. 0 with one rank. `placement`: the run's (simulator.PLACEMENTS; "v" for
-    ZB-V and DualPipeV), which says whose span a message came from; a message to the rank itself
-    (stage p-1 to p in a V) crosses no link and is left out.
+    compute spans leave out. 0 with one rank. Whose span a message came from is read from the virtual
+    stage each executor span records; `placement` (simulator.PLACEMENTS) stands in for traces without it.
+    A message to the rank itself (stage p-1 to p in a V) crosses no link and is left out.
     """
     import statistics
 
@@ -210,15 +210,17 @@ def measured_times(result: Any, step: int | None = None, placement: str = "loop"
         ends.setdefault(e["rank"], []).append(e["end"])
     gaps = []
     p = result.world_size
-    chunk_of = {stage_of(r, c, p, placement): c for r in range(p) for c in range(v)}
-    for (r, kind, mb, c), e in at.items():
+    # the executor's spans name their virtual stage; older traces fall back on `placement`
+    stage = {k: e["args"].get("stage", stage_of(k[0], k[3], p, placement)) for k, e in at.items()}
+    by_stage = {(kind, mb, stage[k]): e for k, e in at.items() for (_, kind, mb, _) in [k]}
+    for k, e in at.items():
+        r, kind, mb, _ = k
         if kind == "W":
             continue
-        vs = stage_of(r, c, p, placement) + (-1 if kind == "F" else 1)  # the stage the message came from
-        if vs not in chunk_of or rank_of(vs, p, placement) == r:
-            continue
-        src = at.get((rank_of(vs, p, placement), kind, mb, chunk_of[vs]))
-        if src is None:
+        src = by_stage.get(
+            (kind, mb, stage[k] + (-1 if kind == "F" else 1))
+        )  # the span that sent its message
+        if src is None or src["rank"] == r:  # none, or a message to itself (a V's turn): no link crossed
             continue
         free = max((t for t in ends[r] if t <= e["start"] + 1e-9), default=float("-inf"))
         if free < src["end"]:  # this rank was idle, waiting for that message

@@ -258,9 +258,8 @@ class PipelineRank:
         validate_schedule(full, self.m, self.v, placement=self.placement)
         self.schedule = full[self.r]
         self.split = any(s.kind == "W" for rank in full for s in rank)  # B is the input gradient alone
-        plans, starts = post_plan(
-            full, placement=self.placement
-        )  # which messages go out together, and when (see p2p_batches)
+        # which messages go out together, and when (see p2p_batches)
+        plans, starts = post_plan(full, placement=self.placement)
         self.plan, self.starts = plans[self.r], starts[self.r]
         # when the first compute at or after each step starts (a RECV's batch must be out by then)
         upcoming, self.next_start = float("inf"), [0.0] * len(self.schedule)

@@ -218,9 +218,8 @@ def validate_schedule(
         raise ScheduleError(f"message {msg} (rank {rank}, step {i}) is {side}")
     simulate(schedule, chunks=v, placement=placement)  # raises on deadlock
     plans = post_plan(schedule, placement=placement)[0]
-    _check_batches(
-        schedule, [[b for _, b in plan] for plan in plans]
-    )  # NCCL's rules, batched as the executor posts
+    # NCCL's rules, batched as the executor posts
+    _check_batches(schedule, [[b for _, b in plan] for plan in plans])
     # backends without tags (NCCL) match a link's messages in posting order: the executor's (post_plan),
     # not the list's (a V's link carries chunk 0's activations and chunk 1's gradients, listed out of step)
     for r, plan in enumerate(plans):

@@ -139,15 +139,10 @@ class HSDP(Zero3):
         self.mesh_groups = groups
         self.replicas = groups.mesh.replicate
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """Average the slice's gradient over the replicas (once per step), then update the slice.
-
-        Collective over the replicate group: call it on every rank, after a backward on every replica."""
-        self._check_model()
-        if self.states.grad_shard is None:  # no backward since zero_grad(set_to_none=True)
-            return
-        grad = self.states.grad_shard / self.world_size  # (S,) the mean over this replica's ranks
+    def _step_optimizer(self, grad: torch.Tensor) -> None:
+        """Zero3.step's (S,) slice gradient, the mean over this replica's ranks, averaged over the
+        replicas (once per step), then the update. Collective over the replicate group: `step()` runs
+        on every rank, after a backward on every replica."""
         if self.replicas > 1:  # the slow axis: P/S elements, once per step
             grad = comms.ring_all_reduce(self.ctx, grad, self.mesh_groups.group("replicate"), op="avg")
-        self._step_optimizer(grad)
+        super()._step_optimizer(grad)

@@ -157,7 +157,8 @@ def test_slurm_script_parses_and_calls_what_exists(path, monkeypatch, tmp_path):
     # the script's own arguments, as the ranks would parse them (Slurm's variables given values)
     m = re.search(r"-m (parallel_lab\.scripts\.\w+)(.*)$", body)
     assert m, "no `-m parallel_lab.scripts.<name>` in the torchrun line"
-    argv = shlex.split(m.group(2).replace("$SLURM_JOB_ID", "123").replace('"', ""))
+    args = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", m.group(2))  # ${VAR:-default}: the default
+    argv = shlex.split(args.replace("$SLURM_JOB_ID", "123").replace('"', ""))
     argv = [a.replace("runs/", f"{tmp_path}/") for a in argv]
     mod = importlib.import_module(m.group(1))
     monkeypatch.setenv("WORLD_SIZE", "8")

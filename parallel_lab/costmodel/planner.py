@@ -420,7 +420,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, dp: int, tp: int, pp: int, 
         notes.append("ZeRO-2 under accumulation: a reduce-scatter per micro-batch")
     else:  # ZeRO-3: gathers for forward, backward (and the recomputed forward), a reduce-scatter, per
         # micro-batch, each prefetched behind the compute of the layers before it; under HSDP over the
-        # shard group (S neighbours: S x tp GPUs), and once per step an all-reduce of the fp32 slice
+        # shard group (S neighbours: S x tp GPUs), and once per step an all-reduce of the 16-bit slice
         # across the replicas (they span the whole data-parallel extent)
         gathers = 3 if rc == "full" else 2
         # (a shard group sits inside a node when its S x tp GPUs fit one and do not straddle two)

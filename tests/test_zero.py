@@ -60,7 +60,8 @@ class TiedNet(nn.Module):
 
 
 def make(kind: str) -> tuple[nn.Module, int]:
-    """('gpt': TinyGPT, tied weights, frozen wpe, Ψ = 3050: 3 and 4 don't divide it) or TiedNet."""
+    """('gpt': TinyGPT, tied weights, frozen wpe, Ψ = 3050: 3 and 4 don't divide it) or TiedNet.
+    CPU models: the tests launch gloo ranks whatever GPUs the machine has."""
     if kind == "gpt":
         model = build_model(GPTConfig(vocab=37, seq_len=8, d_model=10, n_heads=2, n_layers=2), seed=0)
         model.wpe.weight.requires_grad_(False)
@@ -221,7 +222,7 @@ def _parity(ctx) -> tuple[list[str], dict]:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_parity_with_single_process_adam(n):
-    res = launch(_parity, n, timeout=240)
+    res = launch(_parity, n, timeout=240, backend="gloo")
     assert [b for v in res.values for b in v[0]] == []
     for key, first in res.values[0][1].items():
         for r in range(1, n):
@@ -267,7 +268,7 @@ def _vs_fsdp2(ctx) -> list[str]:
 
 @pytest.mark.parametrize("n", [2, 3, 4])  # 3 ranks: uneven shards, padded by both
 def test_zero3_matches_fsdp2(n):
-    res = launch(_vs_fsdp2, n, timeout=240)
+    res = launch(_vs_fsdp2, n, timeout=240, backend="gloo")
     assert [b for v in res.values for b in v] == []
 
 
@@ -288,7 +289,7 @@ def test_memory_per_category_equals_the_formula_and_the_peak_falls():
     """TinyGPT with 6 small blocks (Ψ = 20,384; 3 ranks do not divide it), 1 x 8 tokens per rank:
     model states outweigh activations, and a block is small next to the model."""
     configs = [(s, "fp32") for s in range(4)] + [(1, "mixed"), (3, "mixed")]
-    res = launch(_memory, 3, configs, track_memory=True, timeout=240)
+    res = launch(_memory, 3, configs, track_memory=True, timeout=240, backend="gloo")
     for r, rows in enumerate(res.values):
         for row in rows:
             s, prec, psi = row["stage"], row["precision"], row["numel"]
@@ -325,7 +326,7 @@ def _comm(ctx, d_model: int) -> list[dict]:
 
 @pytest.mark.parametrize("n, d_model", [(3, 10), (4, 16)])
 def test_bytes_per_step_equal_the_formula(n, d_model):
-    res = launch(_comm, n, d_model, timeout=240)
+    res = launch(_comm, n, d_model, timeout=240, backend="gloo")
     for r, rows in enumerate(res.values):
         psi, padded = rows[0]["numel"], rows[0]["padded"]
         ring = ring_bytes_per_rank(padded, n, 4, "all_reduce")[r]  # ring all-reduce of the padded buffer
@@ -365,7 +366,7 @@ def _mechanics(ctx, stage: int, prefetch: bool = True) -> dict:
 
 
 def test_stage2_frees_each_units_gradients_during_backward():
-    res = launch(_mechanics, 2, 2, track_memory=True)
+    res = launch(_mechanics, 2, 2, track_memory=True, backend="gloo")
     v = res.values[0]
     grads = [g for label, _, g in v["samples"]]
     assert max(grads) > v["shard"]  # full gradients do appear...
@@ -379,7 +380,7 @@ def test_stage2_frees_each_units_gradients_during_backward():
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_stage3_gathers_before_a_block_frees_after_and_prefetches(prefetch):
-    res = launch(_mechanics, 2, 3, prefetch, track_memory=True)
+    res = launch(_mechanics, 2, 3, prefetch, track_memory=True, backend="gloo")
     v = res.values[0]
     assert all(n == 0 for n in v["numels"])  # between steps the module holds placeholders
     params = {label: p for label, p, _ in v["samples"]}
@@ -449,7 +450,7 @@ def _bad(ctx) -> list[tuple[str, str, str]]:
 
 
 def test_bad_input_is_a_clear_error():
-    res = launch(_bad, 2)
+    res = launch(_bad, 2, backend="gloo")
     got = {case: (t, msg) for case, t, msg in res.values[0]}
     for case in ("stage 3 via ZeroOptimizer", "stage 4", "stage -1"):
         assert got[case][0] == "ValueError" and "stage" in got[case][1], got[case]
@@ -468,7 +469,7 @@ def test_bad_input_is_a_clear_error():
 
 def test_a_rank_error_names_the_rank():
     with pytest.raises(RankError, match="stage must be one of"):
-        launch(lambda ctx: ZeRO(ctx, make("tied")[0], stage=7), 2)
+        launch(lambda ctx: ZeRO(ctx, make("tied")[0], stage=7), 2, backend="gloo")
 
 
 # ----------------------------------------------------------------------------- the script (torchrun)
@@ -521,5 +522,5 @@ def _accumulate(ctx) -> list[float]:
 
 def test_gradient_accumulation_and_an_eval_forward():
     """Two half micro-batches accumulated = one full batch, up to summation order (same tolerance)."""
-    for diffs in launch(_accumulate, 2).values:
+    for diffs in launch(_accumulate, 2, backend="gloo").values:
         assert all(d <= TOL_PARAM for d in diffs), diffs

@@ -684,6 +684,13 @@ def test_v_schedules_in_three_d_with_a_tied_embedding_on_rank_0():
     losses = [v["losses"] for v in runs["zb-v"].values if v["losses"] is not None]
     assert runs["zb-v"].values[0]["losses"] is not None and len(losses) == 1
     assert np.allclose(losses[0], [v["losses"] for v in runs["1f1b"].values if v["losses"]][0], atol=1e-6)
+    # parameters held, each tensor once per rank: the V keeps its tie once (rank 0); the loop twice
+    # (the embedding on rank 0, the head on rank 3, kept equal by the embedding group)
+    from parallel_lab.models import build_model
+
+    n = sum(q.numel() for q in build_model(gpt, seed=0).parameters())  # each tensor once
+    assert sum(v["n_params"] for v in runs["zb-v"].values) == n
+    assert sum(v["n_params"] for v in runs["1f1b"].values) == n + gpt.vocab * gpt.d_model
 
 
 def test_v_memory_in_bytes_rank_0_near_1f1b_dualpipev_one_chunk_more():

@@ -196,7 +196,8 @@ def train_3d(ctx, cfg: ThreeDConfig, dims: ParallelDims) -> dict:
         "params": {n: q.detach().cpu().numpy().copy() for n, q in runner.params.items()},
         "grads": grads,
         "spec": spec,
-        "n_params": sum(q.numel() for q in runner.params.values()),
+        # each tensor once: a V's tied embedding and head on rank 0 are two names of one tensor
+        "n_params": sum(q.numel() for q in {id(q): q for q in runner.params.values()}.values()),
     }
 
 

@@ -16,6 +16,7 @@ Read in this order:
   plots.py      lesson 04's pictures
   accumulation.py  (lesson 18) ZeRO-1 against ZeRO-2 under gradient accumulation: bytes per step
   hsdp.py       (lesson 20) HSDP: ZeRO-3 inside a group of neighbours, replicated across groups
+  per_param.py  (lesson 20) every parameter cut on its dim 0 (FSDP2's layout) instead of one flat buffer
 
 `ZeRO(ctx, model, stage=...)` builds the right one.
 """
@@ -26,6 +27,7 @@ from parallel_lab.zero.hsdp import *  # noqa: F403
 from parallel_lab.zero.layout import *  # noqa: F403
 from parallel_lab.zero.meta import *  # noqa: F403
 from parallel_lab.zero.optimizer import *  # noqa: F403
+from parallel_lab.zero.per_param import *  # noqa: F403
 from parallel_lab.zero.plots import *  # noqa: F403
 from parallel_lab.zero.stage3 import *  # noqa: F403
 

@@ -156,14 +156,18 @@ class Zero3(ZeroBase):
         if self.pending[u] is not None:
             self.pending[u].wait()
             self.pending[u] = None
-            if self.gather == "fp8":
-                self._unpack_fp8(u)
+            self._arrived(u)
             a = self.layout.unit_range(u)[0]
             off = self.layout.offsets()
             for i in self.layout.unit_params(u):
                 p = self.groups.flat[i]
                 p.data = self.bufs[u][off[i] - a : off[i + 1] - a].view(self._shapes[i])
             self.ctx.recorder.sample_memory(f"gathered {self.groups.names[u]}")
+
+    def _arrived(self, u: int) -> None:
+        """Unit u's gather is complete: what the bytes need before the Parameters view `bufs[u]`."""
+        if self.gather == "fp8":
+            self._unpack_fp8(u)
 
     def _free(self, u: int) -> None:
         """Drop unit u's gathered buffer: its Parameters go back to empty placeholders."""

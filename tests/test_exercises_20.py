@@ -217,6 +217,24 @@ def test_the_byte_cases_cover_what_the_statement_says():
         assert checks._trainable(checks._live_widths(random.Random(seed))) % 4 == 1
 
 
+def test_a_wrong_byte_count_no_slip_explains_names_none():
+    """The place in the replicate group taken as rank % R: some named slip matches it on a case by coincidence,
+    but none on every case, so the message names none."""
+    source = _bytes("j = rank // S", "j = rank % R")
+    message = fails_saying(
+        "20", BYTES, "the place as rank % R", source, "than the lab's HSDP sends from that rank"
+    )
+    case = (1_000_003, 3, 4, 1, 2, 2)  # the first it fails: what the rank receives, by coincidence
+    assert message.startswith(checks._bytes_where(*case)), message
+    ns = {}
+    exec(compile(source, "<rank % R>", "exec"), ns)  # noqa: S102
+    slips = checks._byte_slips(*case)
+    assert any(axis == 1 and checks._same(ns["hsdp_bytes"](*case)[1], value) for axis, value, _ in slips)
+    named = {why for _, _, why in slips}
+    assert not any(why in message for why in named), message
+    assert message.endswith(" bytes)."), message
+
+
 def test_an_unfinished_byte_count_stays_not_implemented(monkeypatch):
     launches = _launches(monkeypatch)
     with pytest.raises(NotImplementedError, match="todo"):
@@ -259,6 +277,8 @@ WRONG_MESH = [
      "That runs the replicate ring inside a node always"),
     ("the replicate all-reduce on the whole model", _mesh("(params / S) * 2", "params * 2"),
      "That all-reduces the whole model across the replicas"),
+    ("the ring's (R - 1)/R dropped", _mesh("2 * (R - 1) / R * (params / S)", "(2 if R > 1 else 0) * (params / S)"),
+     "That drops the ring's (R - 1)/R"),
     ("memory ignored", _mesh("if N % S or 16 * params / S > memory_gb * 1e9:", "if N % S:"),
      "That ignores the memory budget"),
     ("ties to the smaller S", _mesh("S = max(S for", "S = min(S for"), "That breaks a tie towards the smaller S"),
@@ -308,6 +328,22 @@ def test_a_wrong_mesh_fails_naming_the_case_and_both_meshes(label, source, want)
 @pytest.mark.parametrize(("label", "source"), CHEATS_MESH, ids=[c[0] for c in CHEATS_MESH])
 def test_a_wrapper_of_the_labs_or_torchs_cost_model_is_switched_off(label, source):
     fails_saying("20", MESH, label, source, "switched off")
+
+
+def test_a_wrong_mesh_no_slip_explains_names_none():
+    """The shard axis always on the network: no named slip gives its answers on every case, so the message names
+    none, though one may give its answer on the failing case."""
+    source = _mesh("/ bandwidth(shard)", "/ (inter_gbps * 1e9)")
+    message = fails_saying(
+        "20", MESH, "the shard axis always on the network", source, "The exercise's model gives"
+    )
+    case = checks._FIXED_MESH[
+        0
+    ]  # the first it fails, where the replicate ring inside a node gives its answer
+    assert message.startswith(checks._mesh_where(*case) + " returned (16, 2)"), message
+    assert checks._best_mesh(*case, slip="rep_intra") == (16, 2)
+    assert not any(why in message for why in checks._MESH_SLIPS.values()), message
+    assert message.endswith(" GB)."), message
 
 
 def test_a_table_of_one_grade_runs_meshes_fails_the_next():

@@ -14,7 +14,9 @@ sharding splits the N = R x S data-parallel ranks into R replicas of S ranks eac
   its slice with its optimizer states. The lab does it once, after the backward, exposed; FSDP2
   all-reduces each unit's slice right after that unit's reduce-scatter, on a stream of its own,
   overlapped with the rest of the backward (MiCS at the gradient-accumulation boundary): the same
-  bytes and the same mean.
+  bytes and the same mean in a step of one micro-batch, while over several micro-batches FSDP2
+  all-reduces after every backward unless `set_requires_all_reduce(False)` is set on all but the
+  last (the lab: once per step).
 
 Layout: rank = replica x S + s, so a shard group is S consecutive ranks; the same layout as
 torch's `init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))`. FSDP2's

@@ -8,7 +8,9 @@ factor, load-balancing loss), Expert Choice (Zhou et al. 2022), batch-priority r
 Read in this order:
   routing.py          routers, capacity and drops, the aux loss, one MoE layer
   expert_parallel.py  experts spread over ranks, tokens moved by two all-to-alls
+  placement.py        (lesson 21) redundant experts: hot experts replicated, replicas packed onto GPUs (EPLB)
 """
 
 from parallel_lab.moe.expert_parallel import *  # noqa: F403
+from parallel_lab.moe.placement import *  # noqa: F403
 from parallel_lab.moe.routing import *  # noqa: F403

@@ -1,10 +1,11 @@
 """Redundant experts: replicate the hot experts and pack the replicas onto GPUs (lesson 21).
 
-DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, section 3.4) serves its MoE layers with redundant
-experts: the experts that receive the most tokens get extra copies, and the copies are placed so
-that every GPU receives about the same number of tokens. deepseek-ai/EPLB publishes the placement
-it deploys, `rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)`; this module
-implements the same interface and policy, from its README's description:
+DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, its section on inference and deployment) serves its
+MoE layers with redundant experts: the experts that receive the most tokens get extra copies, and the
+copies are placed so that every GPU receives about the same number of tokens. deepseek-ai/EPLB
+publishes the placement it deploys, `rebalance_experts(weight, num_replicas, num_groups, num_nodes,
+num_gpus)`; this module implements the same interface and policy (its README describes the policy; the
+order in which ties are broken follows its `eplb.py`, so that the README's example comes out exactly):
 
 - **hierarchical** (when the nodes divide the expert groups): pack the expert groups onto nodes so
   the nodes' loads are balanced (group-limited routing then keeps a token's experts on few nodes),

@@ -8,11 +8,13 @@ factor, load-balancing loss), Expert Choice (Zhou et al. 2022), batch-priority r
 Read in this order:
   routing.py          routers, capacity and drops, the aux loss, one MoE layer
   expert_parallel.py  experts spread over ranks, tokens moved by two all-to-alls
+  fine_grained.py     (lesson 21) many small routed experts and shared ones (DeepSeekMoE)
   balancing.py        (lesson 21) balancing without an auxiliary loss: a per-expert bias on the scores
   placement.py        (lesson 21) redundant experts: hot experts replicated, replicas packed onto GPUs (EPLB)
 """
 
 from parallel_lab.moe.balancing import *  # noqa: F403
 from parallel_lab.moe.expert_parallel import *  # noqa: F403
+from parallel_lab.moe.fine_grained import *  # noqa: F403
 from parallel_lab.moe.placement import *  # noqa: F403
 from parallel_lab.moe.routing import *  # noqa: F403

@@ -60,3 +60,24 @@ def test_bad_input_is_named():
         biased_topk(torch.rand(3, 4), torch.zeros(3), 1)
     with pytest.raises(ValueError, match="gamma must be >= 0"):
         update_bias(torch.zeros(2), torch.ones(2), -1.0)
+
+
+def test_node_limited_routing_keeps_each_token_on_its_best_groups():
+    """64 experts on 8 nodes, top-8: unlimited, a token's experts spread over 5-6 nodes on average; limited to
+    M = 4, never more than 4, chosen by each node's top-2 scores; M = G gives the unlimited choice back."""
+    from parallel_lab.moe import node_limited_topk
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.sigmoid(torch.randn(512, 64, generator=g))
+    b = torch.zeros(64)
+    free, _ = biased_topk(s, b, 8)
+    limited, gates = node_limited_topk(s, b, 8, groups=8, max_groups=4)
+    nodes = lambda chosen: torch.tensor([len(set((c // 8).tolist())) for c in chosen]).double()  # noqa: E731
+    assert nodes(free).mean() > 4.5 and nodes(limited).max() <= 4
+    best = (s.view(512, 8, 8).topk(2, dim=-1).values.sum(-1)).topk(4, dim=-1).indices.sort(-1).values
+    assert all(set((c // 8).tolist()) <= set(bst.tolist()) for c, bst in zip(limited, best))
+    assert torch.allclose(gates, s.gather(-1, limited) / s.gather(-1, limited).sum(-1, keepdim=True))
+    again, _ = node_limited_topk(s, b, 8, groups=8, max_groups=8)
+    assert torch.equal(again.sort(-1).values, free.sort(-1).values)
+    with pytest.raises(ValueError, match="k must be a multiple of max_groups"):
+        node_limited_topk(s, b, 6, groups=8, max_groups=4)

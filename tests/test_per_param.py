@@ -145,3 +145,68 @@ def test_bad_input_is_named():
         PerParamLayout([(2, 2)], (2,), 2)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         PerParamLayout([(2, 2)], (1,), 0)
+
+
+class _OddBlock(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.gain = torch.nn.Parameter(torch.tensor(0.7))  # 0-d
+        self.row = torch.nn.Parameter(torch.full((1, d), 0.1))  # one row: N - 1 ranks hold padding only
+
+    def forward(self, x):
+        return x + self.gain * torch.tanh(self.lin(x)) + self.row
+
+
+class _OddNet(torch.nn.Module):
+    """Every parameter inside a unit (an empty root unit), a 0-d gain and a one-row bias per block."""
+
+    def __init__(self, d: int = 5, depth: int = 3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_OddBlock(d) for _ in range(depth))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+def _odd(ctx) -> list[str]:
+    torch.set_num_threads(1)
+    bad = []
+    x = torch.randn(4 * ctx.world_size, 5, generator=torch.Generator().manual_seed(0))
+    mine = x[4 * ctx.rank : 4 * ctx.rank + 4]
+    for precision, prefetch in (("fp32", False), ("mixed", True)):
+        models = []
+        for cls in (None, Zero3, PerParamZero3):
+            torch.manual_seed(0)
+            m = _OddNet()
+            opt = (torch.optim.Adam(m.parameters(), lr=LR) if cls is None
+                   else cls(ctx, m, lr=LR, precision=precision, prefetch=prefetch))  # fmt: skip
+            models.append((m, opt))
+        for _ in range(2):
+            for k, (m, opt) in enumerate(models):
+                dtype = torch.bfloat16 if k and precision == "mixed" else torch.float32  # the working dtype
+                for half in (mine[:2], mine[2:]) if k else (x[: 2 * ctx.world_size], x[2 * ctx.world_size :]):
+                    (
+                        m(half.to(dtype)).float() / 2
+                    ).backward()  # two micro-batches accumulated before the step
+                opt.step()
+                opt.zero_grad()
+        ref = {n: p.detach() for n, p in models[0][0].named_parameters()}
+        flat, ours = models[1][1].full_parameters(), models[2][1].full_parameters()
+        for n in ref:
+            d_flat = (ours[n].float() - flat[n].float()).abs().max().item()
+            d_ref = (ours[n].float() - ref[n]).abs().max().item()
+            if precision == "fp32" and d_ref > TOL_PARAM:
+                bad.append(f"{precision}: {n} differs from one process by {d_ref:.3g}")
+            if d_flat > (TOL_PARAM if precision == "fp32" else 1e-2):  # mixed: a bf16 rounding apart at most
+                bad.append(f"{precision}: {n} differs from the flat layout by {d_flat:.3g}")
+    return bad
+
+
+def test_an_empty_root_a_0d_and_a_one_row_parameter_accumulation_mixed_precision_and_no_prefetch():
+    """3 ranks, two micro-batches accumulated per step, 2 steps: fp32 without prefetch against one
+    process, bf16 (fp32 master) with prefetch against the flat layout with the same settings."""
+    res = launch(_odd, 3, timeout=240, backend="gloo")
+    assert [b for v in res.values for b in v] == []

@@ -1,27 +1,33 @@
 """Per-parameter sharding: every parameter cut on its dim 0, the layout of PyTorch's FSDP2.
 
-Lesson 20. ZeRO-3 as lesson 04 builds it (and DeepSpeed, and FSDP1) lays all trainable parameters
-end to end in one flat buffer and cuts that buffer into N equal slices: a slice boundary falls
-wherever it falls, often inside a parameter, and the optimizer sees one (S,) tensor per rank.
-FSDP2 (`torch.distributed.fsdp.fully_shard`, PyTorch 2.4+) shards each parameter on its own: a
-`DTensor` per parameter, placement `Shard(0)`, so rank k holds rows [k c, (k+1) c) of a parameter
-with r rows, c = ceil(r / N), the missing rows of the last ranks padded with zeros (its docstring:
-"the sharded parameters as DTensors sharded on dim-0").
+Lesson 20. Lesson 04's ZeRO-3 lays all trainable parameters end to end in one flat buffer and cuts it
+into N equal slices: a slice boundary falls wherever it falls, often inside a parameter, and the
+optimizer sees one (S,) tensor per rank. (FSDP1 does the same per wrapped unit, one `FlatParameter`
+each; DeepSpeed's ZeRO-3 cuts each flattened parameter into N equal pieces.) FSDP2
+(`torch.distributed.fsdp.fully_shard` in PyTorch 2.13) shards each parameter on dim 0: a `DTensor`
+per parameter, placement `Shard(0)`, rank k holding rows [k c, (k+1) c) of a parameter with r rows,
+c = ceil(r / N) (`torch.chunk`), the missing rows of the last ranks padded with zeros inside, while
+`to_local()` shows only the real rows. Its documentation gives the reasons: "Per-parameter sharding
+provides a more intuitive user experience, relaxes constraints around frozen parameters, and allows
+for communication-free (sharded) state dicts, which otherwise require all-gathers in FSDP1."
 
 What changes, with the bytes on the wire the same up to padding:
-- the optimizer sees one (c_i, *shape[1:]) tensor per parameter: per-parameter state (Adam's m and
-  v keep the parameter's trailing shape), so an optimizer that needs a parameter's rows together
-  (a per-row norm, a per-matrix update) can run on its shard; there is no flat view across
-  parameters;
+- each rank's optimizer tensor is one parameter's rows, in its trailing shape (here (c_i, *shape[1:])
+  views, padding rows included; FSDP2's optimizer sees the `DTensor`s), so its state is per
+  parameter and a checkpoint of it needs no gathering. An update local to a row (elementwise ones
+  like Adam, a per-row norm) runs on the shard; one that needs the whole matrix (Shampoo, Muon) or a
+  per-tensor norm (LAMB) still needs a gather or a reduction across ranks, in either layout;
 - padding is per parameter (each one rounded up to N c_i rows), not once at the end;
 - a unit's all-gather moves equal pieces from every rank (each rank's rows of every parameter of
   the unit, concatenated), and the gathered buffer is rank-major: rank 0's rows of every
-  parameter, then rank 1's... FSDP2 copies it out into each parameter's own memory
-  (`foreach_all_gather_copy_out`); backward copies each gradient's rows in, rank-major, before the
-  reduce-scatter. Those two copies are the price of the layout;
-- a frozen parameter is not sharded (here and in the flat layout: it has no gradient and no
-  optimizer state); a checkpoint reshards parameter by parameter, on rows, with lesson 13's
-  `resilience.reshard` (numel = the parameter's rows).
+  parameter, then rank 1's... A copy-out puts each parameter's rows in order in its own memory
+  (FSDP2's `foreach_all_gather_copy_out`, which allocates that memory only once the gather is in);
+  that copy is new. Backward copies each gradient's rows in, rank-major, before the reduce-scatter,
+  where the flat layout copies the unit's gradients into its flat order: a copy either way;
+- a checkpoint reshards parameter by parameter, on rows, with lesson 13's `resilience.reshard`
+  (numel = the parameter's rows).
+The lab keeps a frozen parameter whole on every rank, in both of its layouts (no gradient, no
+optimizer state); FSDP2 shards frozen parameters too.
 
 `PerParamZero3` is lesson 04's `Zero3` (the same hooks: gather before use, free after, prefetch,
 saved tensors kept as where-not-what) with this layout under it.
@@ -178,13 +184,10 @@ class _PerParamReducer(GradReducer):
         for i, p in zip(lay.unit_params(u), self.params[u]):
             if p.grad is not None:
                 c, rest, q = lay.c[i], lay.rest[i], lay.block_offset[i]
-                blocks = buf[:, q : q + c * rest].view(
-                    S, c, rest
-                )  # (S, c, rest): rank k's rows of parameter i
-                g = p.grad.reshape(lay.rows[i], rest)  # (rows, rest)
-                for k in range(S):
-                    lo, hi = min(k * c, lay.rows[i]), min((k + 1) * c, lay.rows[i])
-                    blocks[k, : hi - lo] = g[lo:hi]
+                padded = p.grad.new_zeros(S * c, rest)  # (S c, rest): the rows, then the padding rows
+                padded[: lay.rows[i]] = p.grad.reshape(lay.rows[i], rest)
+                buf[:, q : q + c * rest] = padded.view(S, c * rest)  # rank k's c rows into its piece
+                del padded
             p.grad = None  # each full gradient is freed as soon as it is copied in
         self.count[u] = -len(self.params[u]) - 1  # done for this pass
         with _label(self.ctx.memory, "comm"):
@@ -256,42 +259,45 @@ class PerParamZero3(Zero3):
         if self.bufs[u] is not None:
             return
         lay, w = self.layout, self.layout.unit_block[u]
-        a, b = lay.unit_range(u)
-        with _label(self.ctx.memory, "param"):
-            buf = torch.empty(b - a, dtype=self.states.shard.dtype, device=self.device)  # (unit,) param-major
         with _label(self.ctx.memory, "comm"):
-            gathered = torch.empty(
-                self.world_size * w, dtype=buf.dtype, device=self.device
-            )  # (S piece,) rank-major
+            # (S piece,) rank-major
+            gathered = torch.empty(self.world_size * w, dtype=self.states.shard.dtype, device=self.device)
         o = lay.unit_offset[u]
         mine = self.states.shard.detach()[o : o + w]
         self.pending[u] = all_gather_pieces(self.ctx, mine, lay.pieces(u), gathered, 0, self.group,
                                             self.GATHER_TAG + u)  # fmt: skip
         self._gathered[u] = gathered
-        self.bufs[u] = buf
-        self._ptr2unit[buf.untyped_storage().data_ptr()] = u
+        # issued, not arrived: the unit's param-major memory is allocated by the copy-out, as FSDP2 does,
+        # so a prefetch in flight holds the gather buffer only
+        self.bufs[u] = self._placeholder
 
     @torch.no_grad()
     def _arrived(self, u: int) -> None:
         """The copy-out: rank-major (S, piece) -> each parameter's rows in order, its padding rows dropped."""
         lay, S = self.layout, self.world_size
-        a = lay.unit_range(u)[0]
+        a, b = lay.unit_range(u)
         off = lay.offsets()
         g = self._gathered.pop(u).view(S, lay.unit_block[u])  # (S, piece)
+        with _label(self.ctx.memory, "param"):
+            buf = torch.empty(b - a, dtype=g.dtype, device=self.device)  # (unit,) param-major
         for i in lay.unit_params(u):
             c, rest, q = lay.c[i], lay.rest[i], lay.block_offset[i]
-            blocks = g[:, q : q + c * rest].view(S, c, rest)  # (S, c, rest): rank k's rows of parameter i
-            out = self.bufs[u][off[i] - a : off[i + 1] - a].view(lay.rows[i], rest)  # (rows, rest)
-            for k in range(S):
-                lo, hi = min(k * c, lay.rows[i]), min((k + 1) * c, lay.rows[i])
-                out[lo:hi] = blocks[k, : hi - lo]
-        del g, blocks
+            rows = g[:, q : q + c * rest].reshape(
+                S * c, rest
+            )  # (S c, rest): parameter i's rows, padding last
+            buf[off[i] - a : off[i + 1] - a].view(lay.rows[i], rest).copy_(rows[: lay.rows[i]])
+            del rows
+        del g
+        self.bufs[u] = buf
+        self._ptr2unit[buf.untyped_storage().data_ptr()] = u
 
     def _free(self, u: int) -> None:
-        if self.bufs[u] is not None and self.pending[u] is not None:
-            self.pending[u].wait()  # a prefetch nobody used: finish its messages first
+        if self.bufs[u] is not None and self.pending[u] is not None:  # issued, never used: nothing bound
+            self.pending[u].wait()  # finish its messages first
             self.pending[u] = None
-        self._gathered.pop(u, None)
+            self._gathered.pop(u, None)
+            self.bufs[u] = None
+            return
         super()._free(u)
 
     # -- reading -------------------------------------------------------------------------

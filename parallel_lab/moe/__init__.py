@@ -10,6 +10,7 @@ Read in this order:
   expert_parallel.py  experts spread over ranks, tokens moved by two all-to-alls
   fine_grained.py     (lesson 21) many small routed experts and shared ones (DeepSeekMoE)
   balancing.py        (lesson 21) balancing without an auxiliary loss: a per-expert bias on the scores
+  serving.py          (lesson 21) expert-parallel inference with replicated experts
   placement.py        (lesson 21) redundant experts: hot experts replicated, replicas packed onto GPUs (EPLB)
 """
 
@@ -18,3 +19,4 @@ from parallel_lab.moe.expert_parallel import *  # noqa: F403
 from parallel_lab.moe.fine_grained import *  # noqa: F403
 from parallel_lab.moe.placement import *  # noqa: F403
 from parallel_lab.moe.routing import *  # noqa: F403
+from parallel_lab.moe.serving import *  # noqa: F403

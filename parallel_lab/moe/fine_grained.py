@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from parallel_lab.moe.balancing import biased_topk
+from parallel_lab.moe.balancing import biased_topk, node_limited_topk
 from parallel_lab.moe.routing import Expert
 
 __all__ = ["FineGrainedMoE", "dense_reference", "moe_counts"]
@@ -31,11 +31,11 @@ __all__ = ["FineGrainedMoE", "dense_reference", "moe_counts"]
 class FineGrainedMoE(nn.Module):
     """`n_shared` experts every token uses plus `n_routed` routed ones, `k` per token, each d_model -> d_expert
     -> d_model. `bias` (a buffer, zeros) shifts the selection only (`moe.balancing.update_bias` moves it).
+    `max_groups`: node-limited routing over `groups` equal groups of consecutive experts.
     `forward(x)` -> (y of x's shape, chosen (tokens, k), gates (tokens, k))."""
 
-    def __init__(
-        self, d_model: int = 16, d_expert: int = 8, n_shared: int = 1, n_routed: int = 8, k: int = 2
-    ):
+    def __init__(self, d_model: int = 16, d_expert: int = 8, n_shared: int = 1, n_routed: int = 8, k: int = 2,
+                 groups: int = 1, max_groups: int | None = None):  # fmt: skip
         super().__init__()
         for name, v, low in (("d_model", d_model, 1), ("d_expert", d_expert, 1), ("n_shared", n_shared, 0),
                              ("n_routed", n_routed, 1), ("k", k, 1)):  # fmt: skip
@@ -43,7 +43,7 @@ class FineGrainedMoE(nn.Module):
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
         if k > n_routed:
             raise ValueError(f"k ({k}) must be at most n_routed ({n_routed})")
-        self.k = k
+        self.k, self.groups, self.max_groups = k, groups, max_groups  # node-limited when max_groups is set
         self.shared = nn.ModuleList(Expert(d_model, d_expert) for _ in range(n_shared))
         self.routed = nn.ModuleList(Expert(d_model, d_expert) for _ in range(n_routed))
         self.router = nn.Linear(d_model, n_routed, bias=False)
@@ -51,6 +51,8 @@ class FineGrainedMoE(nn.Module):
 
     def route(self, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = torch.sigmoid(self.router(xf).float())  # (N, n_routed) affinities, fp32
+        if self.max_groups is not None:  # each token's experts in its best max_groups groups (nodes)
+            return node_limited_topk(scores, self.bias.float(), self.k, self.groups, self.max_groups)
         return biased_topk(scores, self.bias.float(), self.k)  # (N, k) each
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -37,10 +37,14 @@ __all__ = ["ReplicatedExperts", "replica_of"]
 def replica_of(chosen: torch.Tensor, first_token: int, log2phy: list[list[int]]) -> torch.Tensor:
     """(T, k) chosen experts of tokens first_token.. -> (T, k) physical replica ids: token t uses
     replica (first_token + t) mod count_e of expert e (each replica an equal share of e's tokens)."""
-    t = torch.arange(first_token, first_token + chosen.shape[0]).unsqueeze(-1).expand_as(chosen)
+    t = (
+        torch.arange(first_token, first_token + chosen.shape[0], device=chosen.device)
+        .unsqueeze(-1)
+        .expand_as(chosen)
+    )
     out = torch.empty_like(chosen)
     for e in chosen.unique().tolist():
-        reps = torch.tensor(log2phy[e])
+        reps = torch.tensor(log2phy[e], device=chosen.device)
         mask = chosen == e
         out[mask] = reps[t[mask] % len(reps)]
     return out
@@ -78,12 +82,14 @@ class ReplicatedExperts(nn.Module):
         rep = replica_of(chosen, first_token, self.log2phy)  # (T, k) the replica serving each choice
         dest = rep // self.per_rank  # (T, k) its rank
         order = (dest * (len(self.phy2log) + 1) + rep).reshape(-1).argsort(stable=True)  # by rank, replica
-        tok = torch.arange(T).repeat_interleave(k)[order]  # (T k,) token of each choice, in send order
+        tok = torch.arange(T, device=xf.device).repeat_interleave(k)[
+            order
+        ]  # (T k,) token of each choice, in send order
         rep_sorted, dest_sorted = rep.reshape(-1)[order], dest.reshape(-1)[order]
         counts = torch.bincount(dest_sorted, minlength=self.p).tolist()
         rows = list(xf[tok].split(counts))  # [q] (n_q, d): rows for rank q
         ids = list(rep_sorted.unsqueeze(-1).split(counts))  # [q] (n_q, 1): the replica each row is for
-        got_n = [int(c) for c in all_to_all_v(self.ctx, [torch.tensor([[c]]) for c in counts], [1] * self.p,
+        got_n = [int(c) for c in all_to_all_v(self.ctx, [torch.tensor([[c]], device=xf.device) for c in counts], [1] * self.p,
                                               "moe_counts", self.group)]  # fmt: skip
         recv = torch.cat(all_to_all_v(self.ctx, rows, got_n, "moe_dispatch", self.group))  # (Σ, d)
         recv_ids = torch.cat(all_to_all_v(self.ctx, ids, got_n, "moe_dispatch_ids", self.group)).view(-1)

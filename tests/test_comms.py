@@ -688,10 +688,14 @@ def test_fingerprint_check_catches_what_torch_detail_debug_misses(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    torch_detail = run("torch", TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # both probes at once: each mostly waits out its hang's timeout
+        theirs = pool.submit(run, "torch", TORCH_DISTRIBUTED_DEBUG="DETAIL")
+        ours = run("lab")
+        torch_detail = theirs.result()
     assert torch_detail == {"reduce op": "silent", "collective": "named", "root": "hang", "dtype": "named",
                             "shape": "named"}, torch_detail  # fmt: skip
-    ours = run("lab")
     assert ours == dict.fromkeys(torch_detail, "named"), ours
 
 

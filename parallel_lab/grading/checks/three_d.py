@@ -198,6 +198,7 @@ def check_exposed_buckets(fn: Callable[..., float]) -> None:
         ([2.0], [1.0], 5.0),  # hidden
         ([5.0, 5.0], [1.0, 2.0], 5.0),  # everything ready at the end: no overlap
         ([0.0, 0.0, 0.0], [2.0, 2.0, 2.0], 3.0),  # ready at once: one queue
+        ([0.0, 4.0], [1.0, 2.0], 5.0),  # the stream idles until the last bucket is ready: 1 s exposed, not 0
     ]
     for n in (1, 3, 6, 10, 10, 16):
         end = round(rnd.uniform(1, 10), 3)

@@ -99,6 +99,15 @@ class PerParamLayout:
             i_off for ids in self._units for i_off in _running(self.block[i] for i in ids)
         )
         self._off = tuple(sum(self.numels[:i]) for i in range(len(self.numels) + 1))
+        # [lo, hi) of each parameter's block in a rank's slice (read every step: computed once)
+        self._slices = tuple(
+            (
+                self.unit_offset[u] + self.block_offset[i],
+                self.unit_offset[u] + self.block_offset[i] + self.block[i],
+            )
+            for u, ids in enumerate(self._units)
+            for i in ids
+        )
 
     @classmethod
     def of(cls, groups: ParamGroups, world_size: int) -> PerParamLayout:
@@ -142,9 +151,7 @@ class PerParamLayout:
 
     def param_slice(self, i: int) -> tuple[int, int]:
         """[lo, hi) of parameter i's block in a rank's slice."""
-        u = next(u for u, ids in enumerate(self._units) if i in ids)
-        lo = self.unit_offset[u] + self.block_offset[i]
-        return lo, lo + self.block[i]
+        return self._slices[i]
 
 
 def _running(sizes) -> list[int]:

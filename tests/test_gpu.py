@@ -47,6 +47,7 @@ FAMILIES = {
     "1f1b": (2, "parallel_lab.scripts.pipeline --schedule 1f1b --steps 2".split(), "losses match"),
     "interleaved": (2, "parallel_lab.scripts.pipeline --schedule interleaved --steps 2".split(), "losses match"),
     "moe": (2, ["parallel_lab.scripts.moe", "--steps", "1"], "expert parallel matches the single-process layer"),
+    "moe_at_scale": (2, ["parallel_lab.scripts.moe_at_scale"], "MoE at scale matches the single-process layer"),
     "inference-tp": (2, ["parallel_lab.scripts.inference", "--mode", "tp"], "tokens match the single-process model"),
     "inference-pp": (2, ["parallel_lab.scripts.inference", "--mode", "pp"], "tokens match the single-process model"),
     "long_sequences": (2, ["parallel_lab.scripts.long_sequences"], "matches single-process training"),

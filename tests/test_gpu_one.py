@@ -276,6 +276,7 @@ ONE_RANK = {
                         "identical weights: True"),
     "quantization": (["parallel_lab.scripts.quantization"], "matches single-process quantized inference"),
     "fewer_bytes": (["parallel_lab.scripts.fewer_bytes", "--steps", "3"], "every rank holds the same weights"),
+    "moe_at_scale": (["parallel_lab.scripts.moe_at_scale"], "MoE at scale matches the single-process layer"),
 }  # fmt: skip
 
 

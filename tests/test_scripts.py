@@ -2,8 +2,8 @@
 
 Each run is a real multi-process job (every rank imports torch), so this file keeps one run per
 script and launcher that other test files do not already cover: ddp, zero --offload, zero --replicate (HSDP), pipeline,
-three_d, moe, inference (pp), compression, long_sequences (ring, 2 x 2) and fewer_bytes (PowerSGD) under torchrun; ddp, zero (stage 1; HSDP), pipeline, tensor_parallel, three_d (8 ranks),
-mixed_precision, moe, inference (tp), long_sequences (ulysses) and fewer_bytes (top-k, 3 ranks) under
+three_d, moe, moe_at_scale (3 nodes x 2), inference (pp), compression, long_sequences (ring, 2 x 2) and fewer_bytes (PowerSGD) under torchrun; ddp, zero (stage 1; HSDP), pipeline, tensor_parallel, three_d (8 ranks),
+mixed_precision, moe_at_scale (2 nodes x 2), inference (tp), long_sequences (ulysses) and fewer_bytes (top-k, 3 ranks) under
 accelerate launch with the shipped CPU config. Each script checks its own result against
 single-process training and says so on stdout; the trace it writes must load.
 """
@@ -90,6 +90,12 @@ CASES = {
         "expert parallel matches the single-process layer",
         {"moe_dispatch", "moe_combine"},
     ),
+    "moe_at_scale-3-nodes": (  # lesson 21 on 6 ranks as 3 nodes: hop 1 has two other nodes to reach
+        6,
+        "parallel_lab.scripts.moe_at_scale --nodes 3 --tokens 12 --max-groups 0".split(),
+        "MoE at scale matches the single-process layer",
+        {"moe_dispatch_inter", "moe_dispatch_intra"},
+    ),
 }
 
 ACCELERATE_CASES = {
@@ -139,10 +145,10 @@ ACCELERATE_CASES = {
         ["parallel_lab.scripts.fewer_bytes", "--hook", "topk", "--steps", "3"],
         "bytes equal the formula",
     ),
-    "moe-expert-parallel": (
-        2,
-        ["parallel_lab.scripts.moe", "--steps", "1", "--tokens", "16"],
-        "expert parallel matches the single-process layer",
+    "moe_at_scale": (  # lesson 21: two-hop node-limited dispatch and EPLB serving, 2 nodes x 2
+        4,
+        ["parallel_lab.scripts.moe_at_scale", "--tokens", "16"],
+        "MoE at scale matches the single-process layer",
     ),
 }
 

@@ -17,11 +17,13 @@ Read in this order:
   published.py published large runs and the planner's prediction of each (its validation)
   serving.py   inference: 2N FLOPs per token, KV-cache bytes, a server's memory budget (lesson 14)
   context.py   context parallelism: ring and all-to-all attention bytes per layer (lesson 17)
+  moe.py       MoE at scale: all-to-all bytes flat vs node-limited two-hop, memory per GPU, DeepSeek-V3 (lesson 21)
 """
 
 from parallel_lab.costmodel.context import *  # noqa: F403
 from parallel_lab.costmodel.formulas import *  # noqa: F403
 from parallel_lab.costmodel.hardware import *  # noqa: F403
+from parallel_lab.costmodel.moe import *  # noqa: F403
 from parallel_lab.costmodel.planner import *  # noqa: F403
 from parallel_lab.costmodel.published import *  # noqa: F403
 from parallel_lab.costmodel.serving import *  # noqa: F403

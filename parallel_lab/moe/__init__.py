@@ -12,11 +12,15 @@ Read in this order:
   balancing.py        (lesson 21) balancing without an auxiliary loss: a per-expert bias on the scores
   serving.py          (lesson 21) expert-parallel inference with replicated experts
   placement.py        (lesson 21) redundant experts: hot experts replicated, replicas packed onto GPUs (EPLB)
+  race.py             (lesson 21) the balancing race: none / aux loss / bias on one TinyGPT-MoE
+  dispatch.py         (lesson 21) node-aware dispatch: a token crosses the network once per node it needs
 """
 
 from parallel_lab.moe.balancing import *  # noqa: F403
+from parallel_lab.moe.dispatch import *  # noqa: F403
 from parallel_lab.moe.expert_parallel import *  # noqa: F403
 from parallel_lab.moe.fine_grained import *  # noqa: F403
 from parallel_lab.moe.placement import *  # noqa: F403
+from parallel_lab.moe.race import *  # noqa: F403
 from parallel_lab.moe.routing import *  # noqa: F403
 from parallel_lab.moe.serving import *  # noqa: F403

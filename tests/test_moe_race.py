@@ -9,6 +9,15 @@ from parallel_lab.models import GPTConfig, synthetic_batch
 from parallel_lab.moe.race import MoEGPT, RaceConfig, run_race, topk_aux_loss
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Many tiny ops: one thread is faster, and does not fight the suite's other processes for the 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_topk_aux_loss_is_one_when_balanced_and_e_over_k_when_collapsed():
     t, e, k = 12, 6, 2
     uniform = torch.full((t, e), 0.5)

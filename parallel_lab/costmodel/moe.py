@@ -18,11 +18,13 @@ The combine returns as many rows as the dispatch sent (two-hop: one partial sum 
 DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", arXiv 2412.19437): `DEEPSEEK_V3`
 holds its shape from the model's config.json (61 layers, the first 3 dense, d_model 7168, 256 routed
 experts of d_ff 2048 plus 1 shared, 8 per token, groups of experts on at most 4 of 8 nodes), the
-training layout of the report's section 3.1 (PP16 x EP64, the EP group spanning 8 nodes of 8 GPUs,
-ZeRO-1 data parallelism, 2048 H800 GPUs) and the links DeepEP's README measures on H800 (about 160
-GB/s NVLink and 50 GB/s per RDMA network card). Assumed by the lab: SwiGLU experts (3 matrices
-d x d_ff), the dispatch in FP8 (1 byte) and the combine in BF16 (2 bytes), dense bf16 peak 989
-TFLOP/s for the H800 at a given MFU, and ceil(58 / 16) = 4 MoE layers on the fullest pipeline stage.
+training layout of the report's section on its training framework (PP16 x EP64, the EP group spanning
+8 nodes of 8 GPUs, ZeRO-1 data parallelism, 2048 H800 GPUs), and from DeepEP's README the links of
+its H800 tests (~160 GB/s NVLink and ~50 GB/s per 400 Gb/s InfiniBand card, nominal maxima) and "the
+DeepSeek-V3/R1 pretraining setting (4096 tokens per batch, ..., FP8 dispatching and BF16 combining)".
+Assumed by the lab: SwiGLU experts (3 matrices d x d_ff), dense bf16 peak 989 TFLOP/s for the H800
+at a given MFU, mixed-precision Adam states (16 bytes per parameter, ZeRO-1 over the data-parallel
+copies), and ceil(58 / 16) = 4 MoE layers on the fullest pipeline stage.
 
 Invariant: pure arithmetic; a bad argument raises ValueError or TypeError naming it.
 """
@@ -142,7 +144,7 @@ class MoESpec:
 DEEPSEEK_V3 = MoESpec(
     "DeepSeek-V3", layers=61, dense_layers=3, d_model=7168, d_ff=2048, routed=256, shared=1, k=8, max_nodes=4,
     gpus=2048, gpus_per_node=8, pp=16, ep=64, peak_flops=989e12, ib_bw=50e9, nvlink_bw=160e9,
-    notes=("shape: config.json; layout: the report's section 3.1; links: DeepEP's README (H800)",
+    notes=("shape: config.json; layout: the report's training framework; links, tokens, FP8/BF16: DeepEP's README",
            "H800 dense bf16 peak taken as the H100 SXM's 989 TFLOP/s (an assumption)",
            "SwiGLU experts; dispatch FP8, combine BF16 (assumptions)"),
 )  # fmt: skip

@@ -15,8 +15,9 @@ experts as above.
 
 Node-limited routing (DeepSeek-V3, same report): with the experts spread over G groups (the nodes of
 expert parallelism), a token may use experts of at most M groups, the M whose top-(k/M) selection
-scores add up highest; the top-k is then taken among those groups' experts only. A token's dispatch
-then crosses to at most M nodes whatever k is.
+scores add up highest; the top-k is then taken among those groups' experts only. A token's experts
+then sit on at most M nodes whatever k is (fewer bytes across nodes only with a dispatch that sends a
+token once per node: `moe.dispatch`).
 
 Invariant: the gates of a token are its unbiased scores of the experts it selected, normalised; the
 bias changes which experts, never how much.

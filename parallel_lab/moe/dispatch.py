@@ -129,8 +129,8 @@ def _exchange(ctx, group, parts: list[tuple[str, list[torch.Tensor], list[int]]]
     """parts: (name, tensors to each group rank, rows from each) -> the received tensors of each part."""
     # A zero-size leaf that wants a gradient puts every exchange into the graph on every rank, whatever
     # this rank's tokens: each backward is a collective, so a rank that skipped one would leave its peers waiting.
-    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
     flat = [t for _, ts, _ in parts for t in ts]
+    anchor = torch.empty(0, device=flat[0].device, requires_grad=torch.is_grad_enabled())
     out = _Exchange.apply(ctx, group, [n for n, _, _ in parts], [r for _, _, r in parts],
                           [len(ts) for _, ts, _ in parts], anchor, *flat)  # fmt: skip
     res, i = [], 0

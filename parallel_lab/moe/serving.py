@@ -9,8 +9,9 @@ ONE replica of each expert it chose. Here a token's replica of expert e is the
 (global token index mod count_e)-th, so each replica gets an equal share of e's tokens.
 
 With node-limited routing (`moe.balancing.node_limited_topk`, groups = the expert groups the
-placement packed onto nodes), each token's experts sit on at most M nodes, so its dispatch crosses
-the network to at most M - 1 other nodes whatever k is.
+placement packed onto nodes), each token's experts sit on at most M nodes; this layer's dispatch is
+one all-to-all, so a token still sends one row per choice served by another rank (up to k), and
+only a two-hop dispatch (`moe.dispatch.TwoHopExperts`) turns the limit into fewer bytes.
 
 `ReplicatedExperts(ctx, layer, phy2log, group)` serves a `FineGrainedMoE`: rank r holds replicas
 [r R/p, (r+1) R/p) of `phy2log` (R replicas; weights copied from the layer every rank built the same),

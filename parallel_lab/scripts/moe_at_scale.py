@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=4, help="ranks to start when run without a launcher")
     args = ap.parse_args(argv)
     world = script_world(args.nproc)
+    real = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the launcher's machines
     if args.nodes is None:
-        real = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
         args.nodes = real if real > 1 else min(2, world)
     args.experts = scaled_default("--experts", args.experts, world, lambda w: round_up(16, w))
     if world % args.nodes:
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     table, ok = report(result.values, args.k, args.tokens)
     limit = f"node-limited to {args.max_groups}" if args.max_groups else "not node-limited"
-    print(f"{result.world_size} ranks ({result.backend}) as {args.nodes} nodes, {args.experts} routed experts + 1 shared, "
+    kind = "nodes" if args.nodes == real else "emulated nodes"
+    print(f"{result.world_size} ranks ({result.backend}) as {args.nodes} {kind}, {args.experts} routed experts + 1 shared, "
           f"top-{args.k}, {limit}, {args.tokens} tokens per rank")  # fmt: skip
     print(table)
     print("MoE at scale matches the single-process layer" if ok else "MOE AT SCALE DIFFERS")

@@ -86,8 +86,17 @@ def test_no_lesson_prints_the_code_an_exercise_asks_for():
         return ".".join(parts[-2:]) if len(parts) > 1 and parts[-2][:1].isupper() else parts[-1]
 
     answers = {key(a) for a in answers}
-    assert {"ring_all_reduce", "assign_buckets", "order_1f1b", "int8_matmul", "node_limited_topk", "biased_topk",
-            "update_bias", "replicate", "balanced_packing"} <= answers
+    assert {
+        "ring_all_reduce",
+        "assign_buckets",
+        "order_1f1b",
+        "int8_matmul",
+        "node_limited_topk",
+        "biased_topk",
+        "update_bias",
+        "replicate",
+        "balanced_packing",
+    } <= answers
     shown = []
     for path in sorted((REPO / "notebooks").glob("*.ipynb")):
         for cell in nbformat.read(path, as_version=4).cells:

@@ -1,7 +1,8 @@
 """Lesson 21's exercises: the reference solution passes; wrappers of the lab's and torch's functions, answer tables
 from an earlier grade run and wrong algorithms fail, each with a message naming the failing case and what
-differed; the check's cases cover what the statements promise, and its bar for the placement is a greedy that
-keeps the one-copy-per-GPU rule (EPLB's own policy breaks it)."""
+differed; the check's cases cover what the statements promise (data-parallel steps whose designed first steps
+separate the global batch's bias update from its per-rank imitations), and its bar for the placement is a greedy
+that keeps the one-copy-per-GPU rule (EPLB's own policy breaks it)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,20 @@ GROUP_SCORE = "group_score = select.topk(k // max_groups, dim=-1).values.sum(-1)
 BEST = "best = group_score.topk(max_groups, dim=-1).indices  # (T, max_groups)"
 GATES = "return chosen, weight / weight.sum(-1, keepdim=True)"
 SIGN = "torch.sign(load.mean() - load)"
+LOAD = "load = sum(torch.bincount(c.reshape(-1), minlength=E) for c in chosen_per_rank)"
+PER_RANK_STEPS = (  # each rank its own update, then the updates averaged (an empty rank's update is 0)
+    "steps = [torch.bincount(c.reshape(-1), minlength=E).to(bias.dtype) for c in chosen_per_rank]\n"
+    "    return torch.stack([bias + gamma * torch.sign(x.mean() - x) for x in steps]).mean(0)\n"
+    "    load = 0"
+)
+SHARES = (  # each non-empty rank's share of its own choices, ranks weighed equally (in integers: a tie stays a tie)
+    "sizes = [c.numel() for c in chosen_per_rank if c.numel()]\n"
+    "    load = sum(torch.bincount(c.reshape(-1), minlength=E) * (math.lcm(*sizes) // c.numel())\n"
+    "               for c in chosen_per_rank if c.numel())\n"
+    "    push = load.sum() - E * load  # E times mean - load\n"
+    "    return bias + gamma * torch.sign(push).to(bias.dtype)\n"
+    "    load = 0"
+)
 COUNT = (
     "top = (scores + bias).topk(k, dim=-1).indices // (E // groups)\n"
     "    group_score = torch.zeros(T, groups).scatter_add(1, top, torch.ones(T, k))"
@@ -59,16 +74,22 @@ WRONG_RUN = [
      "Your step grows with the gap to the mean load"),
     ("group score = the best expert's", _sol(GROUP_SCORE, "group_score = select.max(-1).values"),
      "You scored each group by its best expert alone"),
+    ("group score = the sum of the whole group", _sol(GROUP_SCORE, "group_score = select.sum(-1)"),
+     "You scored each group by the sum of all its experts"),
     ("group score from the unbiased scores",
-     _sol(GROUP_SCORE, "group_score = scores.view(T, groups, -1).topk(k // max_groups, dim=-1).values.sum(-1)"),
+     _sol(GROUP_SCORE, "group_score = scores.view(T, groups, E // groups).topk(k // max_groups, dim=-1).values.sum(-1)"),
      "You scored the groups on s alone"),
     ("groups by how many of the top k they hold (torch.topk's ties)", _sol(GROUP_SCORE, COUNT),
      "You kept the groups holding most of the token's overall top k"),
     ("groups by how many of the top k they hold (ties to the lower group)",
      _sol(GROUP_SCORE, COUNT).replace(BEST, "best = group_score.sort(dim=-1, descending=True, stable=True).indices[:, :max_groups]"),
      "You kept the groups holding most of the token's overall top k"),
-    ("the load of the first choice only", _sol("torch.bincount(chosen.reshape(-1)", "torch.bincount(chosen[:, 0]"),
+    ("the load of the first choice only", _sol("torch.bincount(c.reshape(-1)", "torch.bincount(c[:, 0]"),
      "You counted only each token's first expert"),
+    ("each rank's own update, averaged", _sol(LOAD, PER_RANK_STEPS), "You moved the bias by each rank's own load"),
+    ("rank 0's load alone", _sol("for c in chosen_per_rank)", "for c in chosen_per_rank[:1])"),
+     "You counted rank 0's tokens only"),
+    ("the ranks' shares averaged", "import math\n" + _sol(LOAD, SHARES), "You averaged the ranks' shares of their own load"),
     ("sign(0) taken as -1", _sol(SIGN, "torch.where(load < load.mean(), 1.0, -1.0)"), "sign(0) = 0"),
     ("sign(0) taken as +1", _sol(SIGN, "torch.where(load <= load.mean(), 1.0, -1.0)"), "sign(0) = 0"),
     ("the bias never moves", _sol(f"return bias + gamma * {SIGN}", "return bias"), "Your bias did not move"),
@@ -98,19 +119,27 @@ CHEATS_RUN = [
     ("wraps the lab's race", "from parallel_lab.moe.race import run_race\n" + SIG_R
      + "    run_race(method='bias', steps=1)\n" + _RIGHT_ROUTE),
     ("wraps update_bias", "import torch\nfrom parallel_lab.moe import update_bias\n"
-     "def next_bias(bias, chosen, gamma):\n"
-     "    return update_bias(bias, torch.bincount(chosen.reshape(-1), minlength=bias.shape[0]), gamma)\n"),
+     "def next_bias(bias, chosen_per_rank, gamma):\n"
+     "    return update_bias(bias, torch.bincount(torch.cat(chosen_per_rank).reshape(-1), minlength=bias.shape[0]),\n"
+     "                       gamma)\n"),
     ("reads the check's own router", "from parallel_lab.grading.checks.moe_at_scale import _route\n" + SIG_R
      + "    return _route(scores, bias, k, groups, max_groups)[:2]\n"),
     ("reads the check's own bias update", "from parallel_lab.grading.checks.moe_at_scale import _next_bias\n"
-     "def next_bias(bias, chosen, gamma):\n    return _next_bias(bias, chosen, gamma)\n"),
+     "def next_bias(bias, chosen_per_rank, gamma):\n    return _next_bias(bias, chosen_per_rank, gamma)\n"),
+    ("reads the check's own load count", "from parallel_lab.grading.checks.moe_at_scale import _rank_loads\n"
+     "def next_bias(bias, chosen_per_rank, gamma):\n"
+     "    load = _rank_loads(chosen_per_rank, bias.shape[0]).sum(0)\n"
+     "    return bias + gamma * (load.mean() - load).sign()\n"),
 ]  # fmt: skip
 
-#: "fixed run 3 (every expert ...: T=16, E=8, ...), step 0: route(scores=<...>, bias=<...>, k=2, ...)"
+#: "fixed run 3 (every expert ...: ranks' T=[6, 10], E=8, ...), step 0, rank 1: route(scores=<rank 1's 10 x 8
+#: scores>, bias=<...>, k=2, ...)" or "..., step 0: next_bias(bias=<...>, chosen_per_rank=<the 2 ranks' ...>, ...)"
 WHERE_RUN = re.compile(
-    r"^(fixed|drawn) run \d \([^)]*: T=\d+, E=\d+, k=\d, groups=\d, max_groups=\d, gamma=[\d.e-]+\), step \d: "
-    r"(route\(scores=<the step's \d+ x \d+ scores>, bias=<[^>]+>, k=\d, groups=\d, max_groups=\d\)"
-    r"|next_bias\(bias=<[^>]+>, chosen=<the \d+ x \d experts your route chose>, gamma=[\d.e-]+\))"
+    r"^(fixed|drawn) run \d \([^)]*: ranks' T=\[[\d, ]+\], E=\d+, k=\d, groups=\d, max_groups=\d, "
+    r"gamma=[\d.e-]+\), step \d"
+    r"(, rank \d: route\(scores=<rank \d's \d+ x \d+ scores>, bias=<[^>]+>, k=\d, groups=\d, max_groups=\d\)"
+    r"|: next_bias\(bias=<[^>]+>, chosen_per_rank=<the \d ranks' experts your route chose: [\dx, ]+>, "
+    r"gamma=[\d.e-]+\))"
 )
 
 
@@ -132,8 +161,9 @@ RIGHT_RUN = {
         ".to(bias.dtype)", ".double()"),
     "lists and a numpy bias": _sol(GATES, "return chosen.tolist(), (weight / weight.sum(-1, keepdim=True)).tolist()")
         .replace(f"return bias + gamma * {SIGN}", f"return (bias + gamma * {SIGN}).numpy()"),
-    "the groups chosen by argsort": _sol(BEST,
-        "best = group_score.argsort(-1, descending=True)[:, :max_groups]"),
+    "the groups chosen by argsort, the ranks' choices concatenated": _sol(BEST,
+        "best = group_score.argsort(-1, descending=True)[:, :max_groups]").replace(
+        LOAD, "load = torch.bincount(torch.cat(chosen_per_rank).reshape(-1), minlength=E)"),
 }  # fmt: skip
 
 
@@ -148,6 +178,17 @@ def test_an_unfinished_run_stays_not_implemented():
         run_check("21", RUN, SIG_R + "    raise NotImplementedError('todo')\n")
 
 
+def test_an_empty_micro_batch_is_routed_too():
+    """A router that cannot take a rank's empty micro-batch fails there, the message naming the rank's 0 x E
+    scores; one that returns [] for it passes (the lists variant above)."""
+    source = _sol(
+        "select = (scores + bias).view(T, groups, E // groups)",
+        "select = (scores + bias).view(T, groups, -1)",
+    )
+    message = fails_saying("21", RUN, "view(T, groups, -1)", source, "your function raised RuntimeError")
+    assert WHERE_RUN.match(message) and re.search(r"rank \d's 0 x \d+ scores", message), message
+
+
 def test_a_table_of_one_grade_runs_routes_and_biases_fails_the_next():
     """A learner who logs both functions' answers in one grade run and answers from that table in the next (plain
     top-k on the scores and an unmoved bias where it has nothing) fails: the scores are drawn again."""
@@ -155,7 +196,11 @@ def test_a_table_of_one_grade_runs_routes_and_biases_fails_the_next():
     route, next_bias, table = ns["route"], ns["next_bias"], {}
 
     def key(*args):
-        return tuple(a.numpy().tobytes() if isinstance(a, torch.Tensor) else a for a in args)
+        return tuple(
+            a.numpy().tobytes() if isinstance(a, torch.Tensor)
+            else tuple(x.numpy().tobytes() for x in a) if isinstance(a, list) else a
+            for a in args
+        )  # fmt: skip
 
     def logging_route(*args):
         table[key(*args)] = out = route(*args)
@@ -178,36 +223,78 @@ def test_a_table_of_one_grade_runs_routes_and_biases_fails_the_next():
         )
 
     ns["route"] = from_table_route
-    ns["next_bias"] = lambda bias, chosen, gamma: table.get(key(bias, chosen, gamma), bias)
+    ns["next_bias"] = lambda bias, chosen_per_rank, gamma: table.get(key(bias, chosen_per_rank, gamma), bias)
     with pytest.raises(AssertionError, match=r"route\(scores="):
         exec(cell, ns)  # noqa: S102
 
 
+def _first_step(run: dict) -> list[torch.Tensor]:
+    """The rule's choices on each rank at a run's first step (from the run's zero starting bias)."""
+    g = torch.Generator().manual_seed(run["seed"])
+    skew = 0.8 * torch.randn(run["E"], generator=g)
+    return [
+        checks._route(
+            checks._scores(run, 0, r, g, skew), torch.zeros(run["E"]), run["k"], run["groups"], run["M"]
+        )[0]
+        for r in range(len(run["Ts"]))
+    ]
+
+
 def test_the_run_cases_cover_what_the_statement_says():
-    """The fixed runs are what the statement lists; the balanced first step is balanced under the rule; every grade
-    run draws three node-limited runs whose groups count two or more experts, and all in the stated ranges."""
+    """The fixed runs are what the statement lists; the designed first steps load the experts as promised, so the
+    sign(0) slips, each rank's own update averaged, rank 0's load alone and the ranks' shares averaged all differ
+    from the rule there (and the last two from each other) on every grade run; every grade run draws three
+    node-limited runs whose groups count two or more of their experts but not all, 1 to 4 ranks of 0 to 40 tokens,
+    all in the stated ranges."""
     fixed = checks._fixed_runs()
     assert any(r["k"] == r["M"] * r["E"] // r["groups"] for r in fixed)
     assert any(r["M"] == r["groups"] > 1 for r in fixed)
     assert any(r["gamma"] == 0 and r.get("bias") for r in fixed)
     assert any(r["groups"] == 1 for r in fixed)
-    for seed in range(20):
+    zero = torch.zeros(8)
+    designed = {  # run index: (ranks' T, each rank's tokens per pair, the slips this first step separates)
+        3: (
+            [10, 6],
+            [[3, 3, 2, 2], [1, 1, 2, 2]],
+            {"sign_zero_up", "sign_zero_down", "rank0", "rank_shares"},
+        ),
+        4: (
+            [6, 0, 24],
+            [[4, 1, 1, 0], [0, 0, 0, 0], [1, 7, 9, 7]],
+            {"rank_mean", "rank_mean_busy", "rank0", "rank_shares"},
+        ),
+    }
+    for seed in range(12):
         runs = checks._runs(random.Random(seed))
-        (_, balanced), drawn = runs[3], [r for name, r in runs if name.startswith("drawn")]
-        g = torch.Generator().manual_seed(balanced["seed"])
-        skew = 0.8 * torch.randn(balanced["E"], generator=g)
-        scores = checks._scores(balanced, 0, g, skew)
-        chosen = checks._route(
-            scores, torch.zeros(balanced["E"]), balanced["k"], balanced["groups"], balanced["M"]
-        )[0]
-        load = torch.bincount(chosen.reshape(-1), minlength=balanced["E"])
-        assert (load == load[0]).all(), load
+        for i, (Ts, loads, slips) in designed.items():
+            run = runs[i][1]
+            chosen = _first_step(run)
+            assert run["Ts"] == Ts and run["gamma"] == 0.02
+            assert checks._rank_loads(chosen, 8)[:, ::2].tolist() == loads  # pair p: experts 2p and 2p + 1
+            want = checks._next_bias(zero, chosen, 0.02)
+            moved = {slip: checks._next_bias(zero, chosen, 0.02, slip) for slip in slips}
+            for slip in slips:
+                assert (moved[slip] - want).abs().max() > 1e-3, (i, slip)
+            assert (moved["rank0"] - moved["rank_shares"]).abs().max() > 1e-3, i
+        drawn = [r for name, r in runs if name.startswith("drawn")]
         assert len(drawn) == checks._DRAWN_RUNS
-        assert sum(r["groups"] > r["M"] and r["k"] // r["M"] >= 2 for r in drawn) >= 3
+        assert sum(r["groups"] > r["M"] and 2 <= r["k"] // r["M"] < r["E"] // r["groups"] for r in drawn) >= 3
         for _, r in runs:
             assert r["E"] in (8, 16, 32) and r["k"] in (2, 4, 6, 8) and r["groups"] in (1, 2, 4, 8)
-            assert r["k"] % r["M"] == 0 and r["k"] <= r["M"] * r["E"] // r["groups"] and 8 <= r["T"] <= 48
+            assert r["k"] % r["M"] == 0 and r["k"] <= r["M"] * r["E"] // r["groups"]
+            assert 1 <= len(r["Ts"]) <= 4 and all(0 <= T <= 40 for T in r["Ts"]) and sum(r["Ts"]) > 0
             assert 4 <= r["steps"] <= 8
+
+
+def test_the_designed_first_steps_move_the_bias_as_their_comments_say():
+    """Uneven ranks: each rank's own update averaged moves no expert at all; balanced: the global batch moves no
+    expert, and rank 0's load alone and the ranks' shares averaged move every expert, in opposite ways."""
+    zero, runs = torch.zeros(8), checks._runs(random.Random(0))
+    balanced, uneven = _first_step(runs[3][1]), _first_step(runs[4][1])
+    assert (checks._next_bias(zero, uneven, 0.02, "rank_mean") == 0).all()
+    assert (checks._next_bias(zero, balanced, 0.02) == 0).all()
+    rank0 = checks._next_bias(zero, balanced, 0.02, "rank0")
+    assert (rank0 != 0).all() and torch.equal(rank0, -checks._next_bias(zero, balanced, 0.02, "rank_shares"))
 
 
 def test_near_ties_may_go_either_way_and_only_they():
@@ -215,13 +302,24 @@ def test_near_ties_may_go_either_way_and_only_they():
     scores = torch.tensor([[0.5, 0.5 + 5e-6, 0.1, 0.2], [0.9, 0.2, 0.6, 0.5]])
     _, _, _, margin = checks._route(scores, torch.zeros(4), 1, 1, 1)
     assert margin[0] < checks._NEAR < margin[1]
-    # groups {0, 1} and {2, 3}, k = 2, max_groups = 1 (hint 2's case): group {2, 3} wins on s + b
-    hint = torch.tensor([[0.9, 0.3, 0.6, 0.5]])
-    chosen, gates, gscore, _ = checks._route(hint, torch.tensor([-0.4, 0.0, 0.1, 0.0]), 2, 2, 1)
-    assert sorted(chosen[0].tolist()) == [2, 3] and torch.allclose(
-        gscore[0], torch.tensor([0.8, 1.2]).double()
+
+
+def test_the_hints_worked_steps_are_what_the_rules_give():
+    """Route's hint 2 (groups of 3, k = 2, max_groups = 1): the top-2 sum keeps group {3, 4, 5}, the whole
+    group's sum and s alone the other. next_bias's hint 2: the global batch's update, and the per-rank average."""
+    s, b = torch.tensor([[0.9, 0.45, 0.35, 0.6, 0.4, 0.1]]), torch.tensor([-0.4, 0, 0, 0, 0, 0])
+    chosen, gates, gscore, _ = checks._route(s, b, 2, 2, 1)
+    assert sorted(chosen[0].tolist()) == [3, 4] and torch.allclose(
+        gscore[0], torch.tensor([0.95, 1.0]).double()
     )
-    assert torch.allclose(gates[0].sort().values, torch.tensor([0.5 / 1.1, 0.6 / 1.1]).double())
+    assert torch.allclose(gates[0].sort().values, torch.tensor([0.4, 0.6]).double())
+    for slip in ("group_all", "group_unbiased"):
+        assert sorted(checks._route(s, b, 2, 2, 1, slip)[0][0].tolist()) == [0, 1], slip
+    ranks = [torch.tensor([[0], [0]]), torch.tensor([[0], [1], [1], [2], [2], [2]])]
+    want = checks._next_bias(torch.zeros(3), ranks, 0.1)
+    assert torch.allclose(want, torch.tensor([-0.1, 0.1, -0.1]).double())
+    averaged = checks._next_bias(torch.zeros(3), ranks, 0.1, "rank_mean")
+    assert torch.allclose(averaged, torch.tensor([0.0, 0.05, 0.0]).double())
 
 
 # ----------------------------------------------------------------------------- exercise 2: replicate and pack
@@ -268,7 +366,7 @@ WRONG_PLACE = [
     ("packed without the equal-count rule", _place(ROOM, "e not in held[g]"),
      "Your GPUs held different numbers of replicas"),
     ("two copies of an expert on one GPU (EPLB's packing)", _place(CAP, "e for e in range(E)").replace(ROOM, "len(held[g]) < slots"),
-     "A second copy on the same GPU halves nothing"),
+     "A second copy on one GPU holds the same weights twice"),
     ("an expert left without a replica", _place("return [e for gpu in held for e in gpu]",
                                                 "return [e if e else 1 for gpu in held for e in gpu]"),
      "has no replica"),
@@ -374,7 +472,7 @@ def test_the_bar_is_a_valid_greedy_and_eplb_breaks_the_rule():
     from parallel_lab.moe import rebalance_experts
 
     rnd, doubled, below = random.Random(5), 0, 0
-    cases = [c for _ in range(6) for c in checks._place_cases(rnd)]
+    cases = [c for _ in range(4) for c in checks._place_cases(rnd)]
     for loads, replicas, gpus, _ in cases:
         p = checks._greedy(loads, replicas, gpus)
         slots = replicas // gpus

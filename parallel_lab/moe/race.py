@@ -45,13 +45,17 @@ class _MoEMLP(nn.Module):
         super().__init__()
         self.moe = layer
         self.chosen: torch.Tensor | None = None
-        self.scores: torch.Tensor | None = None
+        self.x: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, chosen, _ = self.moe(x)
         self.chosen = chosen  # (B T, k)
-        self.scores = torch.sigmoid(self.moe.router(x.reshape(-1, x.shape[-1])).float())  # for the aux loss
+        self.x = x  # the aux loss scores it again; the other methods never need the scores
         return y
+
+    def scores(self) -> torch.Tensor:
+        """(B T, E) the router's sigmoid affinities for the last input, in the graph (the aux loss's gradient)."""
+        return torch.sigmoid(self.moe.router(self.x.reshape(-1, self.x.shape[-1])).float())
 
 
 class MoEGPT(TinyGPT):
@@ -123,7 +127,7 @@ def run_race(cfg: RaceConfig | None = None, **overrides) -> RaceResult:
         loss = lm
         layers = model.moe_layers()
         if cfg.method == "aux":
-            loss = lm + cfg.alpha * sum(topk_aux_loss(m.scores, m.chosen) for m in layers)
+            loss = lm + cfg.alpha * sum(topk_aux_loss(m.scores(), m.chosen) for m in layers)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

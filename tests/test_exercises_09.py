@@ -39,8 +39,10 @@ def one_f_one_b_capped(stage, stages, m, caps):
         order += [("F", warm + i), ("B", i)]
     return order + [("B", i) for i in range(m - warm, m)]
 """
-_BF = "def bubble_fraction(p, m, t_f, t_b, t_comm):\n"
-STEP = "step = (m + p - 1) * t + 2 * (p - 1) * t_comm"
+_BF = "def bubble_fraction(t_f, t_b, m, t_comm):\n"
+STEP = "step = sum(t_f) + sum(t_b) + (m - 1) * (max(t_f) + max(t_b)) + 2 * (p - 1) * t_comm"
+LAT = " + 2 * (p - 1) * t_comm"
+QUEUE = "(m - 1) * (max(t_f) + max(t_b))"
 
 WRONG = [
     # ---- exercise 1: 1F1B under a cap
@@ -56,15 +58,18 @@ WRONG = [
     ("09", "check_one_f_one_b_capped", "backward of the newest micro-batch", _NEWEST, "backward of the oldest micro-batch"),
     ("09", "check_one_f_one_b_capped", "a warm-up one too short", edit("09", "one_f_one_b_capped", "warmup = held - 1", "warmup = max(held - 2, 0)"), "warm-up is one forward too short"),
     ("09", "check_one_f_one_b_capped", "another valid order", _SPREAD, "a better schedule, but not the one asked for"),
-    # ---- exercise 2: GPipe's bubble with message latency
-    ("09", "check_bubble_fraction", "wraps the lab's simulator", "from parallel_lab.pipeline import make_schedule, simulate\n" + _BF + "    return simulate(make_schedule('gpipe', p, m), t_f, t_b, t_comm).bubble_fraction\n", "switched off"),
-    ("09", "check_bubble_fraction", "wraps the lab's bubble formula", "from parallel_lab.costmodel import pipeline_bubble_fraction as ours\n" + _BF + "    return ours(p, m)\n", "switched off"),
-    ("09", "check_bubble_fraction", "wraps the check's reference", "from parallel_lab.grading.checks.pipeline import _gpipe_bubble\n" + _BF + "    return _gpipe_bubble(p, m, t_f, t_b, t_comm)\n", "switched off"),
-    ("09", "check_bubble_fraction", "torch's private simulator", "from torch.distributed.pipelining.schedules import _simulate_comms_compute\n" + _BF + "    return _simulate_comms_compute({}, lambda r, a: None, p)\n", "switched off"),
-    ("09", "check_bubble_fraction", "latency ignored", edit("09", "bubble_fraction", STEP, "step = (m + p - 1) * t"), "the latency is ignored"),
-    ("09", "check_bubble_fraction", "latency one way only", edit("09", "bubble_fraction", STEP, "step = (m + p - 1) * t + (p - 1) * t_comm"), "one direction only"),
-    ("09", "check_bubble_fraction", "latency paid by every micro-batch", edit("09", "bubble_fraction", STEP, "step = (m + p - 1) * (t + 2 * t_comm)"), "paid by every micro-batch"),
-    ("09", "check_bubble_fraction", "idle over busy time", edit("09", "bubble_fraction", "return 1 - busy / step if step > 0 else 0.0", "return (step - busy) / busy"), "idle time over busy time"),
+    # ---- exercise 2: GPipe's bubble with uneven stages and message latency
+    ("09", "check_bubble_fraction", "wraps the lab's simulator (mean costs)", "from parallel_lab.pipeline import make_schedule, simulate\n" + _BF + "    p = len(t_f)\n    return simulate(make_schedule('gpipe', p, m), sum(t_f) / p, sum(t_b) / p, t_comm).bubble_fraction\n", "switched off"),
+    ("09", "check_bubble_fraction", "wraps the lab's bubble formula", "from parallel_lab.costmodel import pipeline_bubble_fraction as ours\n" + _BF + "    return ours(len(t_f), m)\n", "switched off"),
+    ("09", "check_bubble_fraction", "wraps the check's reference", "from parallel_lab.grading.checks.pipeline import _gpipe_bubble\n" + _BF + "    return _gpipe_bubble(t_f, t_b, m, t_comm)\n", "switched off"),
+    ("09", "check_bubble_fraction", "torch's private simulator", "from torch.distributed.pipelining.schedules import _simulate_comms_compute\n" + _BF + "    return _simulate_comms_compute({}, lambda r, a: None, len(t_f))\n", "switched off"),
+    ("09", "check_bubble_fraction", "latency ignored", edit("09", "bubble_fraction", LAT, ""), "The latency is ignored"),
+    ("09", "check_bubble_fraction", "latency one way only", edit("09", "bubble_fraction", LAT, " + (p - 1) * t_comm"), "one direction only"),
+    ("09", "check_bubble_fraction", "one slowest stage for both directions", edit("09", "bubble_fraction", QUEUE, "(m - 1) * max(f + b for f, b in zip(t_f, t_b))"), "also the one that holds the backwards back"),
+    ("09", "check_bubble_fraction", "every stage at the slowest pace", edit("09", "bubble_fraction", STEP, "step = (m + p - 1) * max(f + b for f, b in zip(t_f, t_b)) + 2 * (p - 1) * t_comm"), "on its way through the others"),
+    ("09", "check_bubble_fraction", "equal stages at the mean cost", edit("09", "bubble_fraction", STEP, "step = (m + p - 1) * (sum(t_f) + sum(t_b)) / p + 2 * (p - 1) * t_comm"), "each at the mean cost"),
+    ("09", "check_bubble_fraction", "the busiest stage's idle share", edit("09", "bubble_fraction", "return 1 - busy / (p * step)", "return 1 - m * max(f + b for f, b in zip(t_f, t_b)) / step"), "the busiest stage alone"),
+    ("09", "check_bubble_fraction", "idle over busy time", edit("09", "bubble_fraction", "return 1 - busy / (p * step) if step > 0 else 0.0", "return (p * step - busy) / busy"), "idle time over busy time"),
 ]  # fmt: skip
 
 
@@ -81,7 +86,7 @@ def test_the_solution_passes_with_one_fixed_line(capsys):
     lines = capsys.readouterr().out.splitlines()  # the solution's other cells print too
     assert [line for line in lines if line.startswith("check_")] == [
         "check_one_f_one_b_capped passed: 15 fixed and 24 drawn pipelines validated and simulated",
-        "check_bubble_fraction passed: 10 fixed and 30 drawn cases against the simulator",
+        "check_bubble_fraction passed: 10 fixed and 30 drawn pipelines, every step followed",
     ]
 
 
@@ -153,17 +158,30 @@ def test_the_capped_reference_never_deadlocks_and_keeps_the_caps():
     assert deadlocks > 50
 
 
-def test_the_gpipe_latency_reference_is_the_simulators():
+def test_the_gpipe_reference_is_the_simulators_on_equal_stages_and_the_path_on_uneven_ones():
+    """On equal stages the step-by-step reference equals the lab's simulator; on uneven ones its step
+    is the longest path: every stage once each way, m - 1 more at each direction's slowest stage."""
+    import random
+
     from parallel_lab.pipeline import make_schedule, simulate
 
     for p in (1, 2, 3, 5, 8):
         for m in (1, 2, 7, 16):
             for t_f, t_b, c in ((1.0, 2.0, 0.0), (1.0, 2.0, 0.5), (0.3, 1.7, 2.25), (2.0, 0.5, 9.0)):
                 sim = simulate(make_schedule("gpipe", p, m), t_f, t_b, c)
-                assert checks._gpipe_bubble(p, m, t_f, t_b, c) == pytest.approx(
+                assert checks._gpipe_bubble([t_f] * p, [t_b] * p, m, c) == pytest.approx(
                     sim.bubble_fraction, abs=1e-12
                 )
-                assert sim.makespan == pytest.approx((m + p - 1) * (t_f + t_b) + 2 * (p - 1) * c)
+    rnd = random.Random(1)
+    differ = 0
+    for _ in range(200):
+        t_f, t_b, m, c = checks._draw_uneven(rnd)
+        p = len(t_f)
+        step = sum(t_f) + sum(t_b) + (m - 1) * (max(t_f) + max(t_b)) + 2 * (p - 1) * c
+        got = checks._gpipe_bubble(t_f, t_b, m, c)
+        assert got == pytest.approx(1 - m * (sum(t_f) + sum(t_b)) / (p * step), abs=1e-12)
+        differ += t_f.index(max(t_f)) != t_b.index(max(t_b))
+    assert differ > 150  # the forwards' and backwards' slowest stages differ in most drawn pipelines
 
 
 # ----------------------------------------------------------------------------- cases drawn at grade time
@@ -192,7 +210,7 @@ def test_a_table_of_one_grade_runs_answers_fails_the_next():
     info = _logged_then_replayed("check_one_f_one_b_capped", "one_f_one_b_capped", lambda t, a: t.get(a, []))
     assert "one_f_one_b_capped(stage=" in str(info.value) and "missing" in str(info.value)
     info = _logged_then_replayed("check_bubble_fraction", "bubble_fraction", lambda t, a: t.get(a, 0.0))
-    assert "bubble_fraction(stages=" in str(info.value) and "returned 0.0" in str(info.value)
+    assert "bubble_fraction(t_f=" in str(info.value) and "returned 0.0" in str(info.value)
 
 
 # ----------------------------------------------------------------------------- torch's own

@@ -1,5 +1,5 @@
 """Checks for lesson 09's exercises: 1F1B when every stage has its own activation-memory cap, and
-GPipe's bubble when messages take time to arrive.
+GPipe's bubble when stages cost different times and messages take time to arrive.
 
 `one_f_one_b_capped(stage, stages, microbatches, caps)` is compared with the reference order
 (`_capped_1f1b`) on fixed shapes (equal caps of 1, below p and above it, a tight cap on the first
@@ -11,10 +11,12 @@ reference order. The usual slips are named: the caps ignored (plain 1F1B), a sta
 its own cap (the pipeline deadlocks), a warm-up of the wrong length, GPipe's order, the backward of
 the newest micro-batch instead of the oldest.
 
-`bubble_fraction(stages, microbatches, t_f, t_b, t_comm)` is compared with the bubble the simulator
-measures for GPipe when every message arrives t_comm after its send, on fixed edge cases and on
-cases drawn each run; the usual slips are named (latency ignored, counted one way only, paid by
-every micro-batch, idle time divided by busy time).
+`bubble_fraction(t_f, t_b, microbatches, t_comm)` (one forward and one backward time per stage) is
+compared with GPipe followed step by step (`_gpipe_bubble`, equal to the simulator on equal stages)
+on fixed pipelines and on pipelines drawn each run whose forwards' and backwards' slowest stages
+mostly differ; the usual slips are named (one slowest stage for both directions, every stage at the
+slowest pace, equal stages at the mean cost, latency ignored or counted one way, the busiest stage's
+share, idle time divided by busy time).
 
 While the learner's function runs, the lab's schedules, simulator, bubble formula and these
 references are switched off, and so are torch's pipeline schedules (`torch.distributed.pipelining`
@@ -24,7 +26,6 @@ builds 1F1B and GPipe orders and simulates them; a test searches torch for such 
 from __future__ import annotations
 
 import functools
-import math
 import random
 from collections.abc import Callable
 
@@ -76,17 +77,33 @@ def _capped_1f1b(stage: int, stages: int, microbatches: int, caps) -> list:
     return out + [Step("B", i) for i in range(microbatches - warmup, microbatches)]
 
 
-def _gpipe_bubble(stages: int, microbatches: int, t_f: float, t_b: float, t_comm: float) -> float:
-    """GPipe's idle share when each message arrives t_comm after its send (sends do not block).
+def _gpipe_bubble(t_f, t_b, microbatches: int, t_comm: float) -> float:
+    """GPipe's idle share when stage s takes t_f[s] per forward and t_b[s] per backward and each
+    message arrives t_comm after its send (sends do not block), by following every step.
 
-    The first micro-batch's forward finishes on the last stage at p·t_f + (p-1)·t_comm; from then on
-    every stage's messages arrive as fast as it works through them, so no stage waits again in that
-    direction. The last stage runs its m backwards right after its m forwards, and the gradients
-    cross the p - 1 links back the same way: stage 0 ends (m+p-1)(t_f+t_b) + 2(p-1)·t_comm after
-    the start, the latest of all stages. Each stage is busy m(t_f+t_b) of it."""
-    busy = microbatches * (t_f + t_b)
-    step = (microbatches + stages - 1) * (t_f + t_b) + 2 * (stages - 1) * t_comm
-    return 1.0 - busy / step if step > 0 else 0.0
+    F(j) on stage s starts once the stage has finished F(j-1) and F(j)'s activation has arrived from
+    stage s-1; the last stage turns to its backwards once its forwards are done; B(j) on stage s
+    starts once the stage has finished B(j-1) (or its last forward) and B(j)'s gradient has arrived
+    from stage s+1. The step ends with the last backward anywhere; each stage is busy
+    m·(t_f[s] + t_b[s]) of it."""
+    p, m = len(t_f), microbatches
+    f_end = [[0.0] * m for _ in range(p)]
+    for s in range(p):
+        for j in range(m):
+            ready = f_end[s][j - 1] if j else 0.0
+            if s:
+                ready = max(ready, f_end[s - 1][j] + t_comm)
+            f_end[s][j] = ready + t_f[s]
+    b_end = [[0.0] * m for _ in range(p)]
+    for s in reversed(range(p)):
+        for j in range(m):
+            ready = b_end[s][j - 1] if j else f_end[s][m - 1]
+            if s < p - 1:
+                ready = max(ready, b_end[s + 1][j] + t_comm)
+            b_end[s][j] = ready + t_b[s]
+    step = max(b_end[s][m - 1] for s in range(p))
+    busy = m * sum(f + b for f, b in zip(t_f, t_b))
+    return 1.0 - busy / (p * step) if step > 0 else 0.0
 
 
 # ----------------------------------------------------------------------------- exercise 1
@@ -307,74 +324,79 @@ def check_one_f_one_b_capped(fn: Callable[[int, int, int, list], list]) -> None:
 
 
 # ----------------------------------------------------------------------------- exercise 2
-#: (stages, microbatches, t_f, t_b, t_comm): free messages first, then latency; one stage, one
-#: micro-batch, latency far above the compute
-_FIXED_BUBBLE = [(4, 8, 1.0, 2.0, 0.0), (4, 8, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.0), (1, 1, 1.0, 2.0, 0.7),
-                 (1, 8, 1.5, 1.0, 2.0), (6, 1, 1.0, 2.0, 0.25), (8, 32, 1.0, 2.0, 0.0), (2, 3, 2.0, 1.0, 10.0),
-                 (16, 64, 0.75, 1.5, 3.0), (3, 5, 1.0, 1.0, 0.1)]  # fmt: skip
+#: (t_f per stage, t_b per stage, microbatches, t_comm): equal stages (the lesson's case) free and with
+#: latency; one stage; one micro-batch; the forwards' and the backwards' slowest on different stages;
+#: a slow first stage (the embedding), a slow last stage (the output layer and the loss); latency far
+#: above the compute
+_FIXED_BUBBLE = [((1.0,) * 4, (2.0,) * 4, 8, 0.0), ((1.0,) * 4, (2.0,) * 4, 8, 0.5), ((1.0,), (2.0,), 1, 0.7),
+                 ((1.5,), (1.0,), 8, 2.0), ((1.0, 3.0, 1.0), (4.0, 2.0, 1.0), 1, 0.25),
+                 ((1.0, 3.0, 1.0, 1.0), (2.0, 2.0, 2.0, 5.0), 6, 0.0), ((2.5, 1.0, 1.0, 1.0), (4.0, 2.0, 2.0, 2.0), 8, 0.5),
+                 ((1.0, 1.0, 1.0, 2.0), (2.0, 2.0, 2.0, 4.5), 16, 1.0), ((2.0, 1.0), (1.0, 3.0), 3, 10.0),
+                 ((0.75,) * 16, (1.5,) * 16, 64, 3.0)]  # fmt: skip
 _DRAWN_BUBBLE = 30
 
 
-def _bubble_slip(got: float, p: int, m: int, t_f: float, t_b: float, c: float) -> str:
-    """The usual wrong formula `got` matches, named ('' for none)."""
-    t, busy = t_f + t_b, m * (t_f + t_b)
-    step = (m + p - 1) * t + 2 * (p - 1) * c
+def _draw_uneven(rnd: random.Random):
+    """A pipeline whose forwards' and backwards' slowest stages differ (most of the time), so that
+    every rule but the right one misses."""
+    p = rnd.randint(2, 12)
+    t_f = [round(rnd.uniform(0.2, 3.0), 3) for _ in range(p)]
+    t_b = [round(rnd.uniform(0.4, 6.0), 3) for _ in range(p)]
+    c = 0.0 if rnd.random() < 0.15 else round(rnd.uniform(0.0, 4.0), 3)
+    return tuple(t_f), tuple(t_b), rnd.randint(1, 48), c
 
-    def share(s: float) -> float:
-        return 1 - busy / s if s > 0 else 0.0
 
+def _bubble_slip(got: float, t_f, t_b, m: int, c: float) -> str:
+    """The usual wrong rule `got` matches, named ('' for none)."""
+    p = len(t_f)
+    both = [f + b for f, b in zip(t_f, t_b)]
+    busy = m * sum(both)
+    path = sum(both) + (m - 1) * (max(t_f) + max(t_b))
+
+    def share(step: float) -> float:
+        return 1 - busy / (p * step) if step > 0 else 0.0
+
+    right = share(path + 2 * (p - 1) * c)
     slips = [
-        ((p - 1) / (m + p - 1), "That is the bubble with free messages (the lesson's): the latency is ignored."),
-        (
-            share((m + p - 1) * t + (p - 1) * c),
-            "The latency is counted in one direction only: the gradients cross the links back as well.",
-        ),
-        (
-            share((m + p - 1) * (t + 2 * c)),
-            "The latency is paid by every micro-batch: once a stage's first message has arrived, do the ones "
-            "behind it still keep it waiting?",
-        ),
-        (
-            share((m + p - 1) * t + 2 * m * (p - 1) * c),
-            "The latency is paid by every micro-batch on every link: once a stage's first message has arrived, do "
-            "the ones behind it still keep it waiting?",
-        ),
-        ((step - busy) / busy if busy else math.inf, "That is idle time over busy time; the exercise asks for idle time over the whole step."),
-        ((p - 1) / m, "That is idle time over busy time with free messages; the exercise asks for idle time over the whole step, with the latency."),
+        (share(sum(both) + (m - 1) * max(both) + 2 * (p - 1) * c),
+         "The m - 1 micro-batches behind the first are paid at the stage whose forward plus backward is slowest: "
+         "is the stage that holds the forwards back also the one that holds the backwards back?"),
+        (share((m + p - 1) * max(both) + 2 * (p - 1) * c),
+         "Every stage is paid at the slowest stage's pace: does the first micro-batch wait for the slowest stage "
+         "on its way through the others?"),
+        (share((m + p - 1) * (max(t_f) + max(t_b)) + 2 * (p - 1) * c),
+         "Every stage is paid at the slowest stages' pace: does the first micro-batch wait for the slowest stage "
+         "on its way through the others?"),
+        (share((m + p - 1) * sum(both) / p + 2 * (p - 1) * c), "That treats the stages as equal, each at the mean cost."),
+        (share(path), "The latency is ignored."),
+        (share(path + (p - 1) * c), "The latency is counted in one direction only: the gradients cross the links back as well."),
+        (1 - m * max(both) / (path + 2 * (p - 1) * c),
+         "That is the idle share of the busiest stage alone; the exercise asks for the idle share of all p stages together."),
+        ((p * (path + 2 * (p - 1) * c) - busy) / busy, "That is idle time over busy time; the exercise asks for idle time over the whole step."),
     ]  # fmt: skip
-    return next((why for value, why in slips if abs(got - value) < 1e-9), "")
+    return next((why for value, why in slips if abs(got - value) < 1e-9 and abs(value - right) > 1e-9), "")
 
 
-def check_bubble_fraction(fn: Callable[[int, int, float, float, float], float]) -> None:
-    """`fn(stages, microbatches, t_f, t_b, t_comm)` -> GPipe's idle share when messages take t_comm to arrive."""
+def check_bubble_fraction(fn: Callable[[list, list, int, float], float]) -> None:
+    """`fn(t_f, t_b, microbatches, t_comm)` -> GPipe's idle share when stage s takes t_f[s] and t_b[s] and
+    messages take t_comm to arrive."""
     require_callable(fn)
     fn = guarded(fn, switched_off(), "this exercise (bubble_fraction)")
-    from parallel_lab.pipeline import make_schedule, simulate
-
     rnd = random.Random(draw_seed())
-    drawn = [
-        (
-            rnd.randint(1, 16),
-            rnd.randint(1, 64),
-            round(rnd.uniform(0.1, 4.0), 3),
-            round(rnd.uniform(0.1, 8.0), 3),
-            0.0 if rnd.random() < 0.15 else round(rnd.uniform(0.0, 5.0), 3),
-        )
-        for _ in range(_DRAWN_BUBBLE)
-    ]
-    for p, m, t_f, t_b, c in _FIXED_BUBBLE + drawn:
-        where = f"bubble_fraction(stages={p}, microbatches={m}, t_f={t_f!r}, t_b={t_b!r}, t_comm={c!r})"
-        got = fn(p, m, t_f, t_b, c)
+    drawn = [_draw_uneven(rnd) for _ in range(_DRAWN_BUBBLE)]
+    for t_f, t_b, m, c in _FIXED_BUBBLE + drawn:
+        where = f"bubble_fraction(t_f={list(t_f)}, t_b={list(t_b)}, microbatches={m}, t_comm={c!r})"
+        got = fn(list(t_f), list(t_b), m, c)  # a copy each: a learner may edit them
         assert isinstance(got, (int, float)) and not isinstance(got, bool), (
             f"{where} must return a number, got {type(got).__name__}"
         )
-        want = simulate(make_schedule("gpipe", p, m), t_f, t_b, c).bubble_fraction
+        want = _gpipe_bubble(t_f, t_b, m, c)
         if not abs(got - want) <= 1e-9:  # also catches nan
-            slip = _bubble_slip(got, p, m, t_f, t_b, c)
+            slip = _bubble_slip(got, t_f, t_b, m, c)
             raise AssertionError(
-                f"{where} returned {got!r}; the simulator measures {want!r} for GPipe.{' ' + slip if slip else ''}"
+                f"{where} returned {got!r}; following every step of GPipe gives {want!r}.{' ' + slip if slip else ''}"
             )
     passed(
         "check_bubble_fraction",
-        f"{len(_FIXED_BUBBLE)} fixed and {_DRAWN_BUBBLE} drawn cases against the simulator",
+        f"{len(_FIXED_BUBBLE)} fixed and {_DRAWN_BUBBLE} drawn pipelines, every step followed",
     )

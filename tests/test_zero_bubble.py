@@ -458,7 +458,8 @@ def test_zb_h2_holds_more_activations_than_zb_h1_on_the_first_stage():
 def test_measured_bubble_within_three_points_of_the_simulator_fed_with_measured_times(world):
     """Real ranks against the simulator given the run's own F, B, W and message times (`measured_times`).
     The step compared is each run's least disturbed (its smallest bubble): another process on the
-    machine only ever adds idle time, which the simulator cannot know of."""
+    machine only ever adds idle time, which the simulator cannot know of; so a run whose bubble is
+    above the simulator's by the margin runs again, up to three runs (one below it fails at once)."""
     from test_pipeline import LAUNCH
 
     import parallel_lab as pl
@@ -471,13 +472,16 @@ def test_measured_bubble_within_three_points_of_the_simulator_fed_with_measured_
         cfg = PipelineConfig(
             schedule=name, microbatches=m, layers=8, batch=4 * m, steps=3, compute_time=0.02 * v
         )
-        run = pl.launch(train_pipeline, world, cfg, **LAUNCH)
-        best = min(range(1, 3), key=lambda s: measured_bubble(run, s))  # step 0 warms up
-        times = measured_times(run, best, placement=where)
-        assert measured_times(run, best) == times  # the spans name their stage: the placement is not needed
-        assert times["t_w"] > 0 if name != "1f1b" else times["t_w"] == 0, times
-        want = simulate(make_schedule(name, world, m), chunks=v, placement=where, **times).bubble_fraction
-        got = measured_bubble(run, best)
+        for again in (True, True, False):  # another run only when one was slower than simulated
+            run = pl.launch(train_pipeline, world, cfg, **LAUNCH)
+            best = min(range(1, 3), key=lambda s: measured_bubble(run, s))  # step 0 warms up
+            times = measured_times(run, best, placement=where)
+            assert measured_times(run, best) == times  # the spans name their stage, not the placement
+            assert times["t_w"] > 0 if name != "1f1b" else times["t_w"] == 0, times
+            want = simulate(make_schedule(name, world, m), chunks=v, placement=where, **times).bubble_fraction
+            got = measured_bubble(run, best)
+            if not (again and got - want >= 0.03):  # a busy machine only ever adds idle time
+                break
         assert abs(got - want) < 0.03, (name, world, got, want, times)
 
 

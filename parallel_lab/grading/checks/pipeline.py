@@ -15,8 +15,9 @@ the newest micro-batch instead of the oldest.
 compared with GPipe followed step by step (`_gpipe_bubble`, equal to the simulator on equal stages)
 on fixed pipelines and on pipelines drawn each run whose forwards' and backwards' slowest stages
 mostly differ; the usual slips are named (one slowest stage for both directions, every stage at the
-slowest pace, equal stages at the mean cost, latency ignored or counted one way, the busiest stage's
-share, idle time divided by busy time).
+slowest pace, the forward-slowest stage's own backward, equal stages at the mean cost, latency
+ignored, counted one way, on p links or paid by every micro-batch, the busiest stage's share, idle
+time divided by busy time).
 
 While the learner's function runs, the lab's schedules, simulator, bubble formula and these
 references are switched off, and so are torch's pipeline schedules (`torch.distributed.pipelining`
@@ -368,6 +369,13 @@ def _bubble_slip(got: float, t_f, t_b, m: int, c: float) -> str:
          "Every stage is paid at the slowest stages' pace: does the first micro-batch wait for the slowest stage "
          "on its way through the others?"),
         (share((m + p - 1) * sum(both) / p + 2 * (p - 1) * c), "That treats the stages as equal, each at the mean cost."),
+        (share(sum(both) + (m - 1) * (max(t_f) + t_b[t_f.index(max(t_f))]) + 2 * (p - 1) * c),
+         "The backwards behind the first are paid at the stage whose forward is slowest: is it also the stage "
+         "whose backward is slowest?"),
+        (share(path + (m - 1) * 2 * c + 2 * (p - 1) * c),
+         "The latency is paid by every micro-batch: once a stage's first message has arrived, do the ones behind it "
+         "still keep it waiting?"),
+        (share(path + 2 * p * c), "The latency is counted on p links each way; p stages have p - 1 links between them."),
         (share(path), "The latency is ignored."),
         (share(path + (p - 1) * c), "The latency is counted in one direction only: the gradients cross the links back as well."),
         (1 - m * max(both) / (path + 2 * (p - 1) * c),

@@ -56,9 +56,9 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"{key:<{width}}  {value}")
     plan = lesson_backends(len(gpus))
     if plan:
-        print("\nlessons (the most ranks a cell launches -> the backend launch(backend='auto') picks):")
+        print("\nlessons (the rank counts their cells launch -> the backend launch(backend='auto') picks):")
         for name, sizes, chosen in plan:
-            print(f"  {name:<26} {'/'.join(map(str, sizes)):>8} ranks  {chosen}")
+            print(f"  {name:<26} {'/'.join(map(str, sizes)):>8} rank{'s' * (sizes != (1,))}  {chosen}")
     missing = [k for k, v in rows if v.startswith("not installed")]
     if missing:
         print(f"\nmissing: {', '.join(missing)} -> pip install -e '.[lab]'")
@@ -77,7 +77,25 @@ def _nccl() -> str:
     return "available, version " + (".".join(map(str, v)) if isinstance(v, tuple) else str(v))
 
 
-_LAUNCH = re.compile(r"\blaunch(?:_learner)?\(\s*[\w.]+\s*,\s*(?:world_size\s*=\s*)?(\d+)")
+_LAUNCH = re.compile(r"\blaunch(?:_learner)?\(\s*[\w.]+\s*,\s*(?:world_size\s*=\s*)?(\d+|[A-Za-z_]\w*)")
+
+
+def _launch_sizes(cells: list[str]) -> set[int]:
+    """The rank counts a notebook's code cells launch: numbers written in the call, or a name bound
+    to a number anywhere (`N = 4`) or looped over numbers in the launching cell (`for p in (2, 3)`);
+    a name bound otherwise (a slider's value) is not counted."""
+    code = "\n".join(cells)
+    sizes = set()
+    for cell in cells:
+        for arg in _LAUNCH.findall(cell):
+            if arg.isdigit():
+                sizes.add(int(arg))
+                continue
+            name = re.escape(arg)
+            sizes.update(int(n) for n in re.findall(rf"^\s*{name}\s*=\s*(\d+)\s*(?:#.*)?$", code, re.M))
+            for group in re.findall(rf"\bfor\s+{name}\s+in\s+[(\[]([\d,\s]+)[)\]]", cell):
+                sizes.update(int(n) for n in re.findall(r"\d+", group))
+    return sizes
 
 
 def lesson_backends(gpus: int, folder: Path | None = None) -> list[tuple[str, tuple[int, ...], str]]:
@@ -90,8 +108,8 @@ def lesson_backends(gpus: int, folder: Path | None = None) -> list[tuple[str, tu
     out = []
     for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
         cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
-        code = "\n".join("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "code")
-        sizes = tuple(sorted({int(n) for n in _LAUNCH.findall(code)}))
+        code = ["".join(c.get("source", "")) for c in cells if c.get("cell_type") == "code"]
+        sizes = tuple(sorted(_launch_sizes(code)))
         if not sizes:
             continue
         picks = {n: mesh.backend_rule(n, gpus, True, mesh.wants_cpu())[0] for n in sizes}

@@ -134,7 +134,7 @@ def test_validator_on_a_sample_of_the_whole_range():
 
 
 def test_simulator_at_p64_m256_v4():
-    sched = schedule_interleaved_1f1b(64, 256, 4)  # 262,144 steps (about 0.4 s on an idle core)
+    sched = schedule_interleaved_1f1b(64, 256, 4)  # 131,072 computations, 392,192 steps with the messages
     sim = simulate(sched, chunks=4)
     assert sim.bubble_fraction == pytest.approx(63 / (4 * 256 + 63))
 

@@ -182,7 +182,8 @@ def draw_memory(
     if handles:
         hl = list(handles.values())[::-1], list(handles)[::-1]  # legend top-down like the stack
         if legend_outside:
-            fig.legend(*hl, loc="outside right upper", fontsize=8, frameon=False)
+            # centred on the right: a long suptitle runs over a legend in the upper corner
+            fig.legend(*hl, loc="outside right center", fontsize=8, frameon=False)
         else:
             axes[-1].legend(*hl, loc="upper right", fontsize=7)
     if title and title_on == "figure":

@@ -56,7 +56,9 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"{key:<{width}}  {value}")
     plan = lesson_backends(len(gpus))
     if plan:
-        print("\nlessons (the rank counts their cells launch -> the backend launch(backend='auto') picks):")
+        print(
+            "\nlessons (the rank counts read from their cells' launch calls -> the backend each gets here):"
+        )
         for name, sizes, chosen in plan:
             print(f"  {name:<26} {'/'.join(map(str, sizes)):>8} rank{'s' * (sizes != (1,))}  {chosen}")
     missing = [k for k, v in rows if v.startswith("not installed")]
@@ -80,21 +82,38 @@ def _nccl() -> str:
 _LAUNCH = re.compile(r"\blaunch(?:_learner)?\(\s*[\w.]+\s*,\s*(?:world_size\s*=\s*)?(\d+|[A-Za-z_]\w*)")
 
 
-def _launch_sizes(cells: list[str]) -> set[int]:
-    """The rank counts a notebook's code cells launch: numbers written in the call, or a name bound
-    to a number anywhere (`N = 4`) or looped over numbers in the launching cell (`for p in (2, 3)`);
-    a name bound otherwise (a slider's value) is not counted."""
+def _call_text(code: str, start: int) -> str:
+    """The text of the call that opens at the first "(" after `start`, up to its closing ")"."""
+    i = code.index("(", start)
+    depth = 0
+    for j in range(i, len(code)):
+        depth += {"(": 1, ")": -1}.get(code[j], 0)
+        if depth == 0:
+            return code[start : j + 1]
+    return code[start:]
+
+
+def _launch_sizes(cells: list[str]) -> dict[int, set[str]]:
+    """Rank count -> the backends its launches name ("auto" where a call names none), for the rank
+    counts a notebook's code cells launch: a number written in the call, or a name bound to a
+    number at a cell's top level (`N = 4`) or looped over numbers in the launching cell (`for p in
+    (2, 3)`). A name bound otherwise (a slider's value, a tuple unpacked) is not read."""
     code = "\n".join(cells)
-    sizes = set()
+    sizes: dict[int, set[str]] = {}
     for cell in cells:
-        for arg in _LAUNCH.findall(cell):
+        for m in _LAUNCH.finditer(cell):
+            arg = m.group(1)
+            named = re.search(r"\bbackend\s*=\s*[\"'](\w+)[\"']", _call_text(cell, m.start()))
+            backend = named.group(1) if named else "auto"
             if arg.isdigit():
-                sizes.add(int(arg))
-                continue
-            name = re.escape(arg)
-            sizes.update(int(n) for n in re.findall(rf"^\s*{name}\s*=\s*(\d+)\s*(?:#.*)?$", code, re.M))
-            for group in re.findall(rf"\bfor\s+{name}\s+in\s+[(\[]([\d,\s]+)[)\]]", cell):
-                sizes.update(int(n) for n in re.findall(r"\d+", group))
+                found = {int(arg)}
+            else:
+                name = re.escape(arg)
+                found = {int(n) for n in re.findall(rf"^{name}\s*=\s*(\d+)\s*(?:#.*)?$", code, re.M)}
+                for group in re.findall(rf"\bfor\s+{name}\s+in\s+[(\[]([\d,\s]+)[)\]]", cell):
+                    found.update(int(n) for n in re.findall(r"\d+", group))
+            for n in found:
+                sizes.setdefault(n, set()).add(backend)
     return sizes
 
 
@@ -109,13 +128,17 @@ def lesson_backends(gpus: int, folder: Path | None = None) -> list[tuple[str, tu
     for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
         cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
         code = ["".join(c.get("source", "")) for c in cells if c.get("cell_type") == "code"]
-        sizes = tuple(sorted(_launch_sizes(code)))
+        named = _launch_sizes(code)
+        sizes = tuple(sorted(named))
         if not sizes:
             continue
-        picks = {n: mesh.backend_rule(n, gpus, True, mesh.wants_cpu())[0] for n in sizes}
+        picks = {  # a launch that names its backend gets it; "auto" follows the rule
+            n: "gloo (set in the lesson)" if named[n] == {"gloo"} else mesh.backend_rule(n, gpus, True, mesh.wants_cpu())[0]
+            for n in sizes
+        }  # fmt: skip
         if len(set(picks.values())) == 1:
             b = next(iter(picks.values()))
-            chosen = "nccl (one GPU per rank)" if b == "nccl" else (
+            chosen = "nccl (one GPU per rank)" if b == "nccl" else b if b.startswith("gloo (set") else (
                 "gloo" + (f" (needs {max(sizes)} GPUs for nccl)" if gpus and not mesh.wants_cpu() else " (CPU)"))  # fmt: skip
         else:
             chosen = "; ".join(f"{n} rank{'s' * (n > 1)}: {b}" for n, b in picks.items())

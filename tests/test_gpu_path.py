@@ -345,7 +345,8 @@ def test_doctor_reports_the_gpu_path(monkeypatch):
     plan = {name: (sizes, chosen) for name, sizes, chosen in lesson_backends(8)}
     assert max(plan["10_three_d"][0]) == 8 and plan["10_three_d"][1] == "nccl (one GPU per rank)"
     assert 4 in plan["04_zero"][0] and 4 in plan["20_hsdp"][0]  # launched with a name bound to 4 (N = 4)
-    assert all(chosen.startswith("gloo (CPU") for _, _, chosen in lesson_backends(0))
+    assert all(chosen.startswith(("gloo (CPU", "gloo (set")) for _, _, chosen in lesson_backends(0))
+    assert plan["21_moe_at_scale"][1] == "gloo (set in the lesson)"  # every launch there names backend="gloo"
     # one GPU: a lesson whose cells launch 1 and 2 ranks gets NCCL for the first, gloo for the second
     one = {name: (sizes, chosen) for name, sizes, chosen in lesson_backends(1)}
     mixed = [n for n, (sizes, _) in one.items() if 1 in sizes and max(sizes) > 1]

@@ -117,7 +117,7 @@ class ParameterServerDP:
     its parameters to every worker, 2. scatters the batch in N slices, 3. every rank runs
     forward and backward on its slice, 4. the server gathers the gradients and
     averages them, 5. the server's optimizer updates its parameters. Workers keep no
-    optimizer state: their weights are overwritten by the next broadcast (`pull()`).
+    optimizer state: their weights are overwritten by the server's next send (`pull()`).
     """
 
     def __init__(self, module: nn.Module, ctx: Any, optimizer_fn: Callable[[list], torch.optim.Optimizer],

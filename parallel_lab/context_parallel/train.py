@@ -80,10 +80,10 @@ def train_dp_cp(ctx, model: TinyGPT, batches: list[tuple[torch.Tensor, torch.Ten
         rows = slice(dp_rank * (x.shape[0] // dp), (dp_rank + 1) * (x.shape[0] // dp))
         idx, tgt = (shard_sequence(t[rows], cp_rank, cp, dim=1, zigzag=zigzag).to(ctx.device) for t in (x, y))
         pos = positions(cp_rank, cp, x.shape[1], zigzag=zigzag, device=idx.device)
-        with ctx.recorder.span("forward", kind="forward", step=i):
+        with ctx.recorder.span("forward", kind="compute", step=i):
             loss = cp_loss(ctx, model, idx, tgt, pos, method=method, zigzag=zigzag, group=cp_group)
         opt.zero_grad(set_to_none=True)
-        with ctx.recorder.span("backward", kind="backward", step=i):
+        with ctx.recorder.span("backward", kind="compute", step=i):
             loss.backward()
         flat = torch.cat([p.grad.flatten() for p in params])  # one bucket: the lesson is the sequence split
         comms.ring_all_reduce(ctx, flat)  # sum over dp x cp: every rank holds the same weights

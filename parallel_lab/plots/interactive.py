@@ -48,6 +48,22 @@ def png_output(png: str, text: str = "<figure>") -> dict:
     return {"output_type": "display_data", "data": {"image/png": png, "text/plain": text}, "metadata": {}}
 
 
+def stamp_figure(fig: Figure, text: str, strip: float = 0.2) -> None:
+    """Write `text` in a strip `strip` inches tall added under the figure's axes, so that it never
+    lands on their tick labels or x label (the figure grows by the strip)."""
+    w, h = fig.get_size_inches()
+    fig.set_size_inches(w, h + strip)
+    frac = strip / (h + strip)
+    engine = fig.get_layout_engine()
+    if engine is not None and type(engine).__name__ in ("ConstrainedLayoutEngine", "TightLayoutEngine"):
+        engine.set(rect=(0, frac, 1, 1 - frac))  # the engine lays the axes out above the strip
+    else:  # axes placed by hand or by subplots_adjust: squeeze them into the part above the strip
+        for ax in fig.axes:
+            x0, y0, aw, ah = ax.get_position().bounds
+            ax.set_position([x0, frac + y0 * (1 - frac), aw, ah * (1 - frac)])
+    fig.text(0.995, frac * 0.1, text, fontsize=7, color="#666666", ha="right", va="bottom")
+
+
 class FigureOutput:
     """An output area that holds one figure at a time."""
 
@@ -144,8 +160,7 @@ class Interactive:
                 self.figure.show_text(f"[{what}]\n{fig}")
             else:
                 # the picture says what produced it: every control's value, those that did not apply too
-                stamp = ", ".join(f"{k}={v}" for k, v in values.items())
-                fig.text(0.995, 0.003, stamp, fontsize=7, color="#666666", ha="right", va="bottom")
+                stamp_figure(fig, ", ".join(f"{k}={v}" for k, v in values.items()))
                 self.figure.show(fig, f"<{what}>")
         except Exception as e:  # shown once, in the status line; the last good figure stays
             self.errors += 1

@@ -226,36 +226,56 @@ def test_checkpoint_saved_by_an_nccl_rank_reads_back_on_the_cpu(tmp_path):
 
 BACKWARD_THEN_RANKS = textwrap.dedent(
     """
+    import os
     import torch
     import parallel_lab as pl
+    from multiprocessing import forkserver
 
     def f(ctx):
         w = torch.ones(4, requires_grad=True)
         (w * (ctx.rank + 1)).sum().backward()  # every rank's own backward, on gloo
         return w.grad.sum().item()
 
+    def g(ctx):
+        w = torch.ones(4, device=ctx.device, requires_grad=True)
+        (w * 2).sum().backward()  # a backward on the GPU, in a child of the same server
+        return w.grad.sum().item()
+
     if __name__ == "__main__":
         torch.ones(3, requires_grad=True).sum().backward()  # a notebook's own backward, first
         res = pl.launch(f, 2, backend="gloo")
         print(res.backend, res.values)
-        # the forkserver that started them must hold no CUDA: no driver mapped, no device file open
-        from multiprocessing import forkserver
-        import os
-        pid = forkserver._forkserver._forkserver_pid
-        maps = open(f"/proc/{pid}/maps").read()
-        fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        print("server cuda:", "libcuda" in maps or any("nvidia" in f for f in fds))
+        res = pl.launch(g, 1)  # the server started above forks this rank too
+        print(res.backend, res.values)
+        # the server never initialised the driver: cuInit opens /dev/nvidiactl and /dev/nvidia<k>, and
+        # a driver initialised there would break every child's first CUDA call. (Mapping libcuda.so is
+        # not that: `import torch` alone maps it with a CUDA 13 build, in a spawned process too.)
+        def device_files(pid):
+            found = []
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    found.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except FileNotFoundError:  # listdir's own descriptor, closed since
+                    pass
+            return sorted(f for f in found if f.startswith("/dev/nvidia"))
+
+        print("server device files:", device_files(forkserver._forkserver._forkserver_pid))
+        torch.cuda.init()  # the probe itself: a process that did initialise the driver shows them
+        print("initialised here:", bool(device_files(os.getpid())))
     """
 )
 
 
 def test_gloo_ranks_backward_after_the_parent_ran_one():
     """On a GPU machine the parent's first backward starts autograd's per-GPU threads; ranks
-    forked after it would fail at their own backward. The launcher starts them from a forkserver instead."""
+    forked after it would fail at their own backward. The launcher starts them from a forkserver
+    instead, which must stay clean enough for a GPU rank forked from it later."""
     out = _run([sys.executable, "-c", BACKWARD_THEN_RANKS])
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "gloo [4.0, 8.0]" in out.stdout, out.stdout
-    assert "server cuda: False" in out.stdout, out.stdout  # its children are as clean as spawned ones
+    assert "nccl [8.0]" in out.stdout, out.stdout
+    assert "server device files: []" in out.stdout, out.stdout  # its children are as clean as spawned ones
+    assert "initialised here: True" in out.stdout, out.stdout
 
 
 def test_more_ranks_than_gpus_fall_back_to_gloo():

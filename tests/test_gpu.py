@@ -27,7 +27,7 @@ GPUS = dev.gpu_count()  # counted without creating a CUDA context in this proces
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs for NCCL, {GPUS} visible"),
+    pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs for NCCL and -m gpu, {GPUS} visible"),
 ]
 
 FAMILIES = {

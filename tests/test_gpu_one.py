@@ -30,7 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun, wherever this python keeps it
 GPUS = dev.gpu_count()  # counted without creating a CUDA context in this process
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS < 1, reason="needs a GPU, and -m gpu (the CPU suite hides GPUs)"),
+]
 
 
 def _run(cmd: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

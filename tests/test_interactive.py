@@ -151,3 +151,18 @@ def test_progress_and_run_command_show_a_line_and_clear_it(monkeypatch):
     assert done.returncode == 0 and done.stdout == "hi\n"
     lines = [f.get("text/plain", "") for f in handles[1].frames]
     assert lines[0] == "" and lines[1].startswith("running a sleeper: ") and lines[-1] == "", lines
+
+
+def test_a_caption_strip_is_added_once_per_figure():
+    from parallel_lab.plots.interactive import stamp_figure
+
+    for layout in (None, "constrained"):
+        fig, ax = plt.subplots(figsize=(4, 3), layout=layout)
+        ax.plot([0, 1], [0, 1])
+        stamp_figure(fig, "a=1")
+        size = tuple(fig.get_size_inches())
+        pos = ax.get_position().bounds
+        stamp_figure(fig, "a=2")  # a redraw of the same figure with new control values
+        assert tuple(fig.get_size_inches()) == size and ax.get_position().bounds == pos
+        assert [t.get_text() for t in fig.texts] == ["a=2"]
+        plt.close(fig)

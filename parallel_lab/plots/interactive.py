@@ -50,7 +50,12 @@ def png_output(png: str, text: str = "<figure>") -> dict:
 
 def stamp_figure(fig: Figure, text: str, strip: float = 0.2) -> None:
     """Write `text` in a strip `strip` inches tall added under the figure's axes, so that it never
-    lands on their tick labels or x label (the figure grows by the strip)."""
+    lands on their tick labels or x label (the figure grows by the strip). Stamping a figure again
+    replaces its text and keeps the strip it has."""
+    stamp = getattr(fig, "_pl_stamp", None)
+    if stamp is not None and stamp in fig.texts:
+        stamp.set_text(text)
+        return
     w, h = fig.get_size_inches()
     fig.set_size_inches(w, h + strip)
     frac = strip / (h + strip)
@@ -61,7 +66,7 @@ def stamp_figure(fig: Figure, text: str, strip: float = 0.2) -> None:
         for ax in fig.axes:
             x0, y0, aw, ah = ax.get_position().bounds
             ax.set_position([x0, frac + y0 * (1 - frac), aw, ah * (1 - frac)])
-    fig.text(0.995, frac * 0.1, text, fontsize=7, color="#666666", ha="right", va="bottom")
+    fig._pl_stamp = fig.text(0.995, frac * 0.1, text, fontsize=7, color="#666666", ha="right", va="bottom")
 
 
 class FigureOutput:

@@ -13,6 +13,7 @@ time each rank is not computing between 0 and the makespan.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from parallel_lab.pipeline.schedules import V_SCHEDULES, chunks_of, make_schedule, placement_of
@@ -227,6 +228,55 @@ def measured_times(result: Any, step: int | None = None, placement: str = "loop"
             gaps.append(e["start"] - src["end"])
     times["t_comm"] = max(0.0, statistics.median(gaps)) if gaps else 0.0
     return times
+
+
+@dataclass
+class MeasuredBubble:
+    """A measured pipeline run beside the simulator fed with its own times (`measure_against_simulator`)."""
+
+    run: Any  # the last run's RunResult
+    bubbles: dict[int, float]  # step -> measured bubble (warm-up steps left out)
+    best: int  # the step compared: the least disturbed one (smallest bubble)
+    times: dict[str, float]  # its F, B, W and message times (`measured_times`)
+    simulated: float  # the simulator's bubble with those times
+    attempts: list[tuple[float, float]]  # (measured, simulated) of every run, the last one included
+
+    @property
+    def measured(self) -> float:
+        return self.bubbles[self.best]
+
+
+def measure_against_simulator(
+    cfg: Any, world_size: int, *, warmup: int = 1, margin: float = 0.03, tries: int = 3, **launch_kwargs: Any
+) -> MeasuredBubble:
+    """Run `train_pipeline(cfg)` on `world_size` ranks and compare its least disturbed step with
+    `simulate` fed with that step's own F, B, W and message times. Asserts nothing: the caller does.
+
+    Other work on the machine mostly delays ranks, which adds idle time the simulator cannot know
+    of, so a run whose bubble is `margin` or more above the prediction runs again, `tries` runs in
+    all; one that is `margin` below it is not run again (a machine that is busy does not make a
+    schedule look better than it is). `attempts` keeps every run's pair for the caller to print.
+    """
+    from parallel_lab.pipeline.executor import train_pipeline
+    from parallel_lab.runtime.launch import launch
+
+    if tries < 1:
+        raise ValueError(f"tries must be >= 1, got {tries}")
+    if not 0 <= warmup < cfg.steps:
+        raise ValueError(f"warmup must be in [0, cfg.steps={cfg.steps}), got {warmup}")
+    sched = make_schedule(cfg.schedule, world_size, cfg.microbatches, chunks_of(cfg.schedule, cfg.chunks))
+    v, where = chunks_of(cfg.schedule, cfg.chunks), placement_of(cfg.schedule)
+    attempts: list[tuple[float, float]] = []
+    for _ in range(tries):
+        run = launch(train_pipeline, world_size, cfg, **launch_kwargs)
+        bubbles = {s: measured_bubble(run, s) for s in range(warmup, cfg.steps)}
+        best = min(bubbles, key=bubbles.get)
+        times = measured_times(run, best, placement=where)
+        simulated = simulate(sched, chunks=v, placement=where, **times).bubble_fraction
+        attempts.append((bubbles[best], simulated))
+        if bubbles[best] - simulated < margin:
+            break
+    return MeasuredBubble(run, bubbles, best, times, simulated, attempts)
 
 
 def peak_activation(result: Any, step: int | None = None) -> list[int]:

@@ -2,11 +2,12 @@
 
 What nbval cannot see: that figures and widgets render and respond in JupyterLab. The lessons are
 copied to a temporary root (the repository's files are never touched), one JupyterLab serves it,
-and for each lesson Chromium (playwright's sync API) clears all outputs, runs all cells, and then
-moves every control of every `interactive` view to two other values. After each move: exactly one
+and for each lesson Chromium (playwright's sync API) clears all outputs, runs the cells down to
+the lesson's last interactive view (every cell an `interactive` view or a live view can depend on;
+nbval runs all of them headless), and then moves every control of every view to two other values. After each move: exactly one
 figure in that view's figure area, a different image than before, no error. A view that draws
 live must show more than one frame during a run and end on the final figure. Screenshots go to
-runs/browser/ (not committed), each beside a text report: the lesson's Run All time, the views,
+runs/browser/ (not committed), each beside a text report: the time to run those cells, the views,
 the controls moved and the redraws checked. Needs Debian's chromium (`apt-get install -y chromium`) and the
 `playwright` package; their absence is a failure, not a skip.
 """
@@ -81,6 +82,15 @@ JS_DONE = (
     " if (k && k.status === 'dead') return true;"
     " if (!k || k.status !== 'idle') return false;"
     f" const cells = ({JS_CELLS})();"
+    " if (cells.some(c => c.pending)) return false;"
+    " return cells.every(c => c.count !== null) || cells.some(c => c.errors.length > 0); }"
+)
+# The same, for the first n code cells only (the lesson walk runs down to its last interactive view).
+JS_DONE_UPTO = (
+    "([n]) => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
+    " if (k && k.status === 'dead') return true;"
+    " if (!k || k.status !== 'idle') return false;"
+    f" const cells = ({JS_CELLS})().slice(0, n);"
     " if (cells.some(c => c.pending)) return false;"
     " return cells.every(c => c.count !== null) || cells.some(c => c.errors.length > 0); }"
 )
@@ -261,6 +271,17 @@ def lab(tmp_path_factory):
         yield base, token
 
 
+def _last_interactive(lesson: str) -> tuple[int, int]:
+    """(index among all cells, count of code cells up to it) of the lesson's last cell whose stored
+    outputs hold a widget (an `interactive` view or a live view). Cells after it feed no view."""
+    cells = json.loads((REPO / "notebooks" / lesson).read_text(encoding="utf-8"))["cells"]
+    widget = "application/vnd.jupyter.widget-view+json"
+    last = max(
+        i for i, c in enumerate(cells) if any(widget in o.get("data", {}) for o in c.get("outputs", []))
+    )
+    return last, sum(c["cell_type"] == "code" for c in cells[: last + 1])
+
+
 def _digest(view: dict) -> str:
     return hashlib.sha1((view["src"] or view["text"]).encode()).hexdigest()
 
@@ -328,7 +349,8 @@ def _move(page, view, control, k: int) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson_in_jupyterlab(lesson, lab):
-    """Run All, then every control of every interactive view moved twice; one figure per area, always."""
+    """The cells down to the last interactive view run, then every control of every view moved twice;
+    one figure per area, always."""
     from playwright.sync_api import sync_playwright
 
     base, token = lab
@@ -353,20 +375,27 @@ def test_lesson_in_jupyterlab(lesson, lab):
             page.wait_for_function(
                 f"() => document.querySelectorAll('{IMAGES}').length === 0", timeout=30_000
             )
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            last, n_code = _last_interactive(lesson)
+            page.evaluate(  # Run All Above the last view's cell, then that cell
+                "([i]) => { const app = window.jupyterapp; app.shell.currentWidget.content.activeCellIndex = i;"
+                " app.commands.execute('notebook:run-all-above').then(() => app.commands.execute('notebook:run-cell')); }",
+                [last],
+            )
             start = time.monotonic()
-            page.wait_for_function(JS_DONE, timeout=RUN_TIMEOUT_S * 1000, polling=500)
+            page.wait_for_function(JS_DONE_UPTO, arg=[n_code], timeout=RUN_TIMEOUT_S * 1000, polling=500)
             run_all = time.monotonic() - start
             cells = page.evaluate(JS_CELLS)
             errors = [e for c in cells for e in c["errors"]]
-            assert not errors, f"{lesson}: errors after Run All: {errors}"
-            assert all(c["count"] is not None for c in cells), f"{lesson}: some cells never ran"
+            assert not errors, f"{lesson}: errors after running down to the last view: {errors}"
+            assert all(c["count"] is not None for c in cells[:n_code]), f"{lesson}: some cells never ran"
             page.wait_for_timeout(500)  # widget views attach after the kernel is idle
             views = page.evaluate(JS_VIEWS)
-            report.append(f"{lesson}: Run All {run_all:.1f} s, {len(views)} interactive view(s)")
+            report.append(
+                f"{lesson}: code cells 1-{n_code} of {len(cells)} run in {run_all:.1f} s, {len(views)} interactive view(s)"
+            )
             for i, v in enumerate(views):
                 assert v["images"] + (1 if v["text"] else 0) == 1, f"{lesson} view {i}: {v}"
-                assert "done in" in v["status"], f"{lesson} view {i} after Run All: {v['status']}"
+                assert "done in" in v["status"], f"{lesson} view {i} after its cells ran: {v['status']}"
                 box = page.locator(".pl-interactive").nth(i)
                 controls = box.locator(".pl-controls > .widget-inline-hbox")
                 auto = "pl-auto" in (box.get_attribute("class") or "")
@@ -399,7 +428,7 @@ def test_lesson_in_jupyterlab(lesson, lab):
                 report.append(f"  live view: {live[0]} frames, ended on the final figure")
             assert not page_errors, f"{lesson}: page errors {page_errors}"
             page.screenshot(path=str(SHOTS / f"{stem}.png"), full_page=False)
-            # what was checked, beside the screenshot: the widgets moved, redraws, Run All time
+            # what was checked, beside the screenshot: the widgets moved, redraws, the time to run the cells
             (SHOTS / f"{stem}.txt").write_text("\n".join(report) + "\n")
         finally:
             browser.close()

@@ -729,7 +729,29 @@ def test_a_run_is_repeated_only_when_slower_than_simulated_by_the_margin(monkeyp
     got = measure_against_simulator(PipelineConfig(schedule="zb-h1", microbatches=4, steps=3), 2)
     assert len(got.attempts) == runs and got.best == 1
     assert [round(m - s, 6) for m, s in got.attempts] == list(gaps[:runs])
+    assert got.run["gap"] == gaps[runs - 1] and round(got.measured - got.simulated, 6) == gaps[runs - 1]
     with pytest.raises(ValueError, match="tries must be >= 1"):
         measure_against_simulator(PipelineConfig(), 2, tries=0)
     with pytest.raises(ValueError, match="warmup must be in"):
         measure_against_simulator(PipelineConfig(steps=2), 2, warmup=2)
+
+
+@pytest.mark.parametrize("margin, runs", [(0.25, 3), (0.5, 1)])
+def test_a_gap_equal_to_the_margin_runs_again(monkeypatch, margin, runs):
+    """The boundary, in numbers exact in binary: measured 0.5 against 0.25 simulated is a gap of 0.25."""
+    import parallel_lab.runtime.launch
+    from parallel_lab.pipeline import PipelineConfig, measure_against_simulator, viz
+
+    calls = iter(range(1, 10))
+    monkeypatch.setattr(parallel_lab.runtime.launch, "launch", lambda *a, **k: {"n": next(calls)})
+    monkeypatch.setattr(viz, "measured_bubble", lambda run, s: 0.5 if s == 1 else 0.75)
+    monkeypatch.setattr(viz, "measured_times", lambda run, s, placement="loop": {"t_f": 1.0, "t_b": 1.0})
+
+    class Sim:
+        bubble_fraction = 0.25
+
+    monkeypatch.setattr(viz, "simulate", lambda *a, **k: Sim())
+    got = measure_against_simulator(
+        PipelineConfig(schedule="1f1b", microbatches=4, steps=3), 2, margin=margin
+    )
+    assert len(got.attempts) == runs and got.run["n"] == runs and got.measured == 0.5

@@ -252,10 +252,14 @@ def measure_against_simulator(
     """Run `train_pipeline(cfg)` on `world_size` ranks and compare its least disturbed step with
     `simulate` fed with that step's own F, B, W and message times. Asserts nothing: the caller does.
 
-    Other work on the machine mostly delays ranks, which adds idle time the simulator cannot know
-    of, so a run whose bubble is `margin` or more above the prediction runs again, `tries` runs in
-    all; one that is `margin` below it is not run again (a machine that is busy does not make a
-    schedule look better than it is). `attempts` keeps every run's pair for the caller to print.
+    Steps before `warmup` are not measured; the least disturbed of the others (smallest bubble) is
+    compared. Other work on the machine mostly delays ranks, which adds idle time the simulator
+    cannot know of, so a run whose bubble is `margin` or more above the prediction runs again, at
+    most `tries` runs in all; one below that (also one far below the prediction) is not run again:
+    a busy machine does not make a schedule look better than it is. `attempts` keeps every run's
+    (measured, simulated) pair for the caller to print; the other fields are the last run's.
+    Pass backend="gloo" for the emulated device (each span padded to its target on the host); under
+    NCCL a spin kernel adds the target after the real kernels and spans are timed with CUDA events.
     """
     from parallel_lab.pipeline.executor import train_pipeline
     from parallel_lab.runtime.launch import launch

@@ -23,7 +23,8 @@ from parallel_lab.resilience import flash
 
 def blocked_seconds(ctx, root: str, spec: flash.FlashSpec, numel: int = 1 << 20, rounds: int = 5) -> dict:
     """Median seconds each way of checkpointing blocks this rank, over `rounds` interleaved rounds
-    (one warm-up round first). `spec`: a `FlashAgent`'s segments, made by the launching process."""
+    (one warm-up round first), with the fastest and slowest round ("spread"). `spec`: a
+    `FlashAgent`'s segments, made by the launching process."""
     import torch.distributed.checkpoint as dcp
 
     g = torch.Generator().manual_seed(ctx.rank)
@@ -53,7 +54,11 @@ def blocked_seconds(ctx, root: str, spec: flash.FlashSpec, numel: int = 1 << 20,
                 pending = None
             if i:
                 times[name].append(dt)
-    return {"median": {k: statistics.median(v) for k, v in times.items()}, "bytes": 3 * numel * 4}
+    return {
+        "median": {k: statistics.median(v) for k, v in times.items()},
+        "spread": {k: (min(v), max(v)) for k, v in times.items()},
+        "bytes": 3 * numel * 4,
+    }
 
 
 __all__ = ["blocked_seconds"]

@@ -22,9 +22,11 @@ from parallel_lab.resilience import flash
 
 
 def blocked_seconds(ctx, root: str, spec: flash.FlashSpec, numel: int = 1 << 20, rounds: int = 5) -> dict:
-    """Median seconds each way of checkpointing blocks this rank, over `rounds` interleaved rounds
-    (one warm-up round first), with the fastest and slowest round ("spread"). `spec`: a
-    `FlashAgent`'s segments, made by the launching process."""
+    """Seconds each way of checkpointing blocks this rank, over `rounds` interleaved rounds (one
+    warm-up round first): {"median": {way: s}, "spread": {way: (fastest, slowest)}, "bytes": per
+    rank}. The state is in host memory (on GPUs a device-to-host copy would come first, not timed
+    here). Launch it on gloo: DCP's async_save needs a CPU backend. `spec`: a `FlashAgent`'s
+    segments, made by the launching process."""
     import torch.distributed.checkpoint as dcp
 
     g = torch.Generator().manual_seed(ctx.rank)

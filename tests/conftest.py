@@ -16,9 +16,9 @@ DATA = Path(__file__).resolve().parent / "data"
 def pytest_configure(config):
     """The suite CI runs is the CPU suite, and on a GPU machine it stays one: many of its rank
     functions build CPU tensors and expect gloo's forked single-threaded ranks, where `launch`
-    would pick NCCL and a forkserver for a 1-rank run (seen on an H100). So GPUs are hidden from it (before torch
-    asks), unless the run selects the GPU checks (`make gpu-check`, `pytest -m gpu`) or the
-    caller set CUDA_VISIBLE_DEVICES itself."""
+    would pick NCCL and a forkserver for a 1-rank run (seen on an H100). So GPUs are hidden from
+    it (before torch asks), unless the run selects the GPU checks (`make gpu-check`, `pytest -m
+    gpu`) or the caller set CUDA_VISIBLE_DEVICES itself."""
     if re.search(r"(?<!not )\bgpu\b", config.option.markexpr or "") is None:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 

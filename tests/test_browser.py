@@ -77,15 +77,8 @@ JS_CELLS = """() => {
     head: c.model.sharedModel.getSource().split('\\n')[0].slice(0, 60),
   }));
 }"""
-JS_DONE = (
-    "() => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
-    " if (k && k.status === 'dead') return true;"
-    " if (!k || k.status !== 'idle') return false;"
-    f" const cells = ({JS_CELLS})();"
-    " if (cells.some(c => c.pending)) return false;"
-    " return cells.every(c => c.count !== null) || cells.some(c => c.errors.length > 0); }"
-)
-# The same, for the first n code cells only (the lesson walk runs down to its last interactive view).
+# Kernel idle and the first n code cells run (or one failed, or the kernel died); the lesson walk
+# runs down to its last interactive view, run_in_browser every cell.
 JS_DONE_UPTO = (
     "([n]) => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
     " if (k && k.status === 'dead') return true;"
@@ -94,6 +87,7 @@ JS_DONE_UPTO = (
     " if (cells.some(c => c.pending)) return false;"
     " return cells.every(c => c.count !== null) || cells.some(c => c.errors.length > 0); }"
 )
+JS_DONE = f"() => ({JS_DONE_UPTO})([Infinity])"
 JS_KERNEL = """() => {
   const s = window.jupyterapp.shell.currentWidget.sessionContext.session;
   return s && s.kernel ? s.kernel.status : 'none';

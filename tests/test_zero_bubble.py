@@ -707,25 +707,30 @@ def test_v_memory_in_bytes_rank_0_near_1f1b_dualpipev_one_chunk_more():
     assert all(d >= z for d, z in zip(peaks["dualpipev"], peaks["zb-v"])), peaks
 
 
+def _stand_in(monkeypatch, runs: list[dict], bubble, simulated: float) -> None:
+    """Ranks and simulator stood in for: launch returns the next of `runs`, bubble(run, step) is the
+    measured bubble, and the simulator always predicts `simulated`."""
+    import parallel_lab.runtime.launch
+    from parallel_lab.pipeline import viz
+
+    seq = iter(runs)
+    monkeypatch.setattr(parallel_lab.runtime.launch, "launch", lambda *a, **k: next(seq))
+    monkeypatch.setattr(viz, "measured_bubble", bubble)
+    monkeypatch.setattr(viz, "measured_times", lambda run, s, placement="loop": {"t_f": 1.0, "t_b": 1.0})
+    monkeypatch.setattr(viz, "simulate", lambda *a, **k: type("Sim", (), {"bubble_fraction": simulated})())
+
+
 @pytest.mark.parametrize(
     "gaps, runs",
     [((0.05, 0.04, 0.05), 3), ((0.05, 0.01), 2), ((-0.05,), 1), ((0.029,), 1)],
 )
 def test_a_run_is_repeated_only_when_slower_than_simulated_by_the_margin(monkeypatch, gaps, runs):
-    """The rerun rule alone, with the ranks and the simulator stood in for: measured minus simulated
-    at or above the margin runs again (three runs at most); below it, or faster by any amount, stops."""
-    import parallel_lab.runtime.launch
-    from parallel_lab.pipeline import PipelineConfig, measure_against_simulator, viz
+    """The rerun rule alone: measured minus simulated at or above the margin runs again (three runs
+    at most); below it, or faster by any amount, stops."""
+    from parallel_lab.pipeline import PipelineConfig, measure_against_simulator
 
-    seq = iter(gaps)
-    monkeypatch.setattr(parallel_lab.runtime.launch, "launch", lambda *a, **k: {"gap": next(seq)})
-    monkeypatch.setattr(viz, "measured_bubble", lambda run, s: 0.2 + run["gap"] + 0.01 * s)
-    monkeypatch.setattr(viz, "measured_times", lambda run, s, placement="loop": {"t_f": 1.0, "t_b": 1.0})
-
-    class Sim:
-        bubble_fraction = 0.2 + 0.01  # the least disturbed step is step 1
-
-    monkeypatch.setattr(viz, "simulate", lambda *a, **k: Sim())
+    # step 1 is the least disturbed, and its gap to the prediction (0.21) is the run's `gap`
+    _stand_in(monkeypatch, [{"gap": g} for g in gaps], lambda run, s: 0.2 + run["gap"] + 0.01 * s, 0.21)
     got = measure_against_simulator(PipelineConfig(schedule="zb-h1", microbatches=4, steps=3), 2)
     assert len(got.attempts) == runs and got.best == 1
     assert [round(m - s, 6) for m, s in got.attempts] == list(gaps[:runs])
@@ -739,18 +744,9 @@ def test_a_run_is_repeated_only_when_slower_than_simulated_by_the_margin(monkeyp
 @pytest.mark.parametrize("margin, runs", [(0.25, 3), (0.5, 1)])
 def test_a_gap_equal_to_the_margin_runs_again(monkeypatch, margin, runs):
     """The boundary, in numbers exact in binary: measured 0.5 against 0.25 simulated is a gap of 0.25."""
-    import parallel_lab.runtime.launch
-    from parallel_lab.pipeline import PipelineConfig, measure_against_simulator, viz
+    from parallel_lab.pipeline import PipelineConfig, measure_against_simulator
 
-    calls = iter(range(1, 10))
-    monkeypatch.setattr(parallel_lab.runtime.launch, "launch", lambda *a, **k: {"n": next(calls)})
-    monkeypatch.setattr(viz, "measured_bubble", lambda run, s: 0.5 if s == 1 else 0.75)
-    monkeypatch.setattr(viz, "measured_times", lambda run, s, placement="loop": {"t_f": 1.0, "t_b": 1.0})
-
-    class Sim:
-        bubble_fraction = 0.25
-
-    monkeypatch.setattr(viz, "simulate", lambda *a, **k: Sim())
+    _stand_in(monkeypatch, [{"n": n} for n in range(1, 10)], lambda run, s: 0.5 if s == 1 else 0.75, 0.25)
     got = measure_against_simulator(
         PipelineConfig(schedule="1f1b", microbatches=4, steps=3), 2, margin=margin
     )

@@ -268,8 +268,8 @@ def measure_against_simulator(
         raise ValueError(f"tries must be >= 1, got {tries}")
     if not 0 <= warmup < cfg.steps:
         raise ValueError(f"warmup must be in [0, cfg.steps={cfg.steps}), got {warmup}")
-    sched = make_schedule(cfg.schedule, world_size, cfg.microbatches, chunks_of(cfg.schedule, cfg.chunks))
     v, where = chunks_of(cfg.schedule, cfg.chunks), placement_of(cfg.schedule)
+    sched = make_schedule(cfg.schedule, world_size, cfg.microbatches, v)
     attempts: list[tuple[float, float]] = []
     for _ in range(tries):
         run = launch(train_pipeline, world_size, cfg, **launch_kwargs)
